@@ -1,0 +1,555 @@
+"""Shared plumbing for the algorithm files: distributed set-up, logging, models, data, generation,
+log-probs, rewards, evaluation and checkpoints.
+
+Nothing here appears in an algorithm's equations: advantages, ratios, clipping, KL and loss
+aggregation live in each algorithm file. This is what your own codebase already has, so a copied
+algorithm file can be rewired to it.
+"""
+
+import contextlib
+import functools
+import importlib
+import importlib.util
+import json
+import math
+import os
+import re
+import resource
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import transformers
+from torch.utils.checkpoint import checkpoint
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+DEFAULT_MODEL = str(Path(__file__).parent / "tiny_model")  # made by make_tiny_model.py
+transformers.utils.logging.disable_progress_bar()
+
+
+def fail(message: str) -> SystemExit:
+    """A usage error: `raise fail("...")` prints one line naming the flag or file and the fix, no traceback."""
+    return SystemExit(f"error: {message}")
+
+
+def exact_div(numerator: int, denominator: int, message: str) -> int:
+    """`numerator // denominator`, failing at start-up with `message` when it does not divide."""
+    if denominator <= 0 or numerator % denominator != 0:
+        raise fail(f"{message} (got {numerator} and {denominator})")
+    return numerator // denominator
+
+
+# ---------------------------------------------------------------------------------------------
+# Distributed
+# ---------------------------------------------------------------------------------------------
+
+
+def setup_distributed() -> tuple[int, int, torch.device]:
+    """(rank, world_size, device) from torchrun's environment; a plain `python x.py` is rank 0 of 1."""
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+    return rank, world_size, device
+
+
+def cleanup_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def print0(*args, **kwargs) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over ranks (a copy; identity on one process)."""
+    x = x.detach().clone()
+    if dist.is_initialized():
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+def all_reduce_mean(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Average scalar metrics over ranks, so that what rank 0 logs describes the whole step."""
+    if not dist.is_initialized() or not metrics:
+        return metrics
+    values = all_reduce_sum(torch.tensor(list(metrics.values()), dtype=torch.float64, device=device))
+    return dict(zip(metrics, (values / dist.get_world_size()).tolist()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Logging
+# ---------------------------------------------------------------------------------------------
+
+
+class Logger:
+    """One line per step on stdout, every metric as JSON lines in `<run_dir>/metrics.jsonl`,
+    TensorBoard when installed, Weights & Biases with `--track`. A no-op on ranks other than 0."""
+
+    SHOWN = ("reward/mean", "eval/accuracy", "eval/accuracy_greedy", "loss/policy", "policy/clipfrac", "perf/step_s")
+
+    def __init__(self, run_dir: Path, config: dict, rank: int, track: bool = False):
+        self.enabled = rank == 0
+        self.wandb = self.tensorboard = None
+        if not self.enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        self.file = open(run_dir / "metrics.jsonl", "a")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(run_dir))
+        except ImportError:
+            pass
+        if track:
+            try:
+                import wandb
+            except ImportError:
+                raise fail("--track needs wandb: pip install wandb") from None
+            self.wandb = wandb.init(name=run_dir.name, config=config)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+        shown = " | ".join(f"{k} {metrics[k]:.4g}" for k in self.SHOWN if k in metrics)
+        print(f"step {step:>4} | {shown}", flush=True)
+        if self.tensorboard:
+            for key, value in metrics.items():
+                self.tensorboard.add_scalar(key, value, step)
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.file.close()
+            if self.tensorboard:
+                self.tensorboard.close()
+            if self.wandb:
+                self.wandb.finish()
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak accelerator memory allocated, or this process's peak resident memory on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------
+
+
+def check_model_name(name: str) -> None:
+    """Fail at once on a local-looking path that does not exist, rather than asking the Hub for it."""
+    if not Path(name).expanduser().exists() and (name.startswith((".", "/", "~")) or name.count("/") > 1):
+        raise fail(f"--model {name!r}: no such folder. Pass an existing folder or a Hugging Face model name.")
+
+
+def load_tokenizer(name: str):
+    """Left padding (prompts end where generation starts) and a pad token distinct from EOS, so that
+    masking padding can never mask the real EOS token, which is an action and gets gradient."""
+    check_model_name(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        raise fail(f"--model {name!r}: cannot load its tokenizer ({str(e).splitlines()[0]}). "
+                   "Pass a local folder or a Hugging Face model name reachable from this machine.") from None
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
+    return tokenizer
+
+
+def load_model(name: str, dtype: str, device: torch.device, tokenizer=None):
+    """Any causal LM by Hugging Face name or local path, dropout off, in `dtype` ("auto": fp32 on CPU,
+    bf16 on GPU)."""
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+    check_model_name(name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    except (OSError, ValueError) as e:
+        raise fail(f"--model {name!r}: cannot load it ({str(e).splitlines()[0]}). "
+                   "Pass a local folder or a Hugging Face model name reachable from this machine.") from None
+    if tokenizer is not None and len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))  # a pad token was added
+    model.config.pad_token_id = model.generation_config.pad_token_id = tokenizer.pad_token_id if tokenizer else None
+    for module in model.modules():  # dropout off: log-probs must be a deterministic function of the weights
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model.to(device)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model inside a DDP wrapper."""
+    return getattr(model, "module", model)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------
+
+
+def builtin_splits(max_operand: int = 99, eval_size: int = 500) -> tuple[list[dict], list[dict]]:
+    """The built-in task: `a+b` for 0 <= a, b <= max_operand, answered with the sum's digits.
+    All pairs, shuffled once with a fixed seed: the first `eval_size` are the held-out split, the rest
+    (9,500 by default) the train split."""
+    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(1234)).tolist()
+    examples = [{"prompt": f"{a}+{b}", "answer": str(a + b)} for a, b in (pairs[i] for i in order)]
+    return examples[eval_size:], examples[:eval_size]
+
+
+def load_jsonl(path: str, flag: str = "--dataset") -> list[dict]:
+    """Rows with a `prompt` and an `answer` field; a bad line fails naming the file and line."""
+    if not Path(path).is_file():
+        raise fail(f"{flag} {path!r}: no such file. Pass a JSONL file with one "
+                   '{"prompt": ..., "answer": ...} object a line, or leave it out for the built-in task.')
+    rows = []
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise fail(f"{path}:{line_no}: not valid JSON ({e.msg}). Each line must be one JSON object.") from None
+            missing = [k for k in ("prompt", "answer") if not isinstance(row, dict) or k not in row]
+            if missing:
+                raise fail(f"{path}:{line_no}: missing field {', '.join(missing)}. "
+                           'Each line needs {"prompt": ..., "answer": ...}.')
+            rows.append({"prompt": str(row["prompt"]), "answer": str(row["answer"])})
+    if not rows:
+        raise fail(f"{flag} {path!r}: the file has no examples.")
+    return rows
+
+
+def load_data(dataset: str | None, eval_dataset: str | None, eval_size: int) -> tuple[list[dict], list[dict]]:
+    """(train, eval) examples: the built-in task, or JSONL files (eval: `--eval-dataset`, else the last
+    `eval_size` rows of `--dataset`, or the first `eval_size` of the built-in task's fixed order)."""
+    if dataset is None:
+        return builtin_splits(eval_size=eval_size)
+    train = load_jsonl(dataset)
+    if eval_dataset is not None:
+        return train, load_jsonl(eval_dataset, "--eval-dataset")
+    if len(train) <= eval_size:
+        raise fail(f"--dataset {dataset!r} has {len(train)} rows, too few to hold out --eval-size {eval_size}. "
+                   "Pass --eval-dataset or a smaller --eval-size.")
+    return train[:-eval_size], train[-eval_size:]
+
+
+def format_prompt(tokenizer, prompt: str, chat_template: bool) -> str:
+    """The text the model continues: the chat template's user turn + assistant header when the
+    tokenizer has a template (and `--chat-template` is on), else the raw prompt after BOS."""
+    if chat_template and tokenizer.chat_template:
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+    return (tokenizer.bos_token or "") + prompt
+
+
+def prompt_batch(examples: list[dict], step: int, batch_size: int, rank: int, world_size: int, seed: int) -> list[dict]:
+    """This rank's slice of step `step`'s global batch of `batch_size` prompts.
+
+    Every rank computes the same global order (a fresh permutation each epoch, seeded by seed+epoch)
+    and takes a contiguous slice, so the data order depends only on (seed, step): resuming is exact
+    and the global batch is the same whatever the number of ranks."""
+    local = batch_size // world_size
+    start = step * batch_size + rank * local
+    return [examples[_epoch_order(len(examples), seed + pos // len(examples))[pos % len(examples)]]
+            for pos in range(start, start + local)]
+
+
+@functools.lru_cache(maxsize=2)
+def _epoch_order(num_examples: int, seed: int) -> list[int]:
+    return torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation and log-probs
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Rollout:
+    """G completions per prompt, stored contiguously (group j is rows j*G .. j*G+G-1).
+
+    input_ids:      (B, P+L) left-padded prompt then response, padded after EOS
+    attention_mask: (B, P+L) 1 on real prompt and response tokens
+    response_mask:  (B, L)   1 on response tokens up to and including EOS, 0 after it
+    prompt_length:  P, the padded prompt width (responses start at column P)
+    texts:          B decoded responses (EOS and padding removed)
+    truncated:      (B,) True where the response hit --max-new-tokens without EOS
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    prompt_length: int
+    texts: list[str]
+    truncated: torch.Tensor
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    ids = model.generation_config.eos_token_id
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    return sorted(set(ids) | {tokenizer.eos_token_id} - {None})
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list[str], group_size: int, max_new_tokens: int, temperature: float,
+             greedy: bool = False) -> Rollout:
+    """Sample `group_size` completions for each prompt text (already formatted) with `model.generate`.
+
+    top_k=0 and top_p=1.0 are passed explicitly: transformers fills in top_k=50 when unset, and the
+    sampled distribution would then differ from the softmax(logits / T) that the loss assumes."""
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    prompt_ids = enc.input_ids.repeat_interleave(group_size, dim=0)
+    prompt_mask = enc.attention_mask.repeat_interleave(group_size, dim=0)
+    eos_ids = eos_token_ids(model, tokenizer)
+    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens,
+                         eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, **sampling)
+    P = prompt_ids.shape[1]
+    response = out[:, P:]  # (B, L); HF pads after EOS with pad_token_id
+    is_eos = torch.isin(response, torch.tensor(eos_ids, device=response.device))
+    has_eos = is_eos.any(-1)
+    first_eos = torch.where(has_eos, is_eos.int().argmax(-1), response.shape[1])  # (B,)
+    positions = torch.arange(response.shape[1], device=response.device)
+    response_mask = (positions[None] <= first_eos[:, None]).long()  # EOS is an action: keep it in the mask
+    response = response.masked_fill(response_mask == 0, tokenizer.pad_token_id)
+    texts = tokenizer.batch_decode([r[:n] for r, n in zip(response.tolist(), first_eos.tolist())], skip_special_tokens=True)
+    return Rollout(
+        input_ids=torch.cat([prompt_ids, response], 1),
+        attention_mask=torch.cat([prompt_mask, response_mask], 1),
+        response_mask=response_mask.float(),
+        prompt_length=P,
+        texts=texts,
+        truncated=~has_eos,
+    )
+
+
+def _token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.nn.Module, temperature: float,
+                    softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(target) and entropy for a chunk of positions: (N, H), (N,) -> (N,), (N,)."""
+    logits = lm_head(hidden)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # (N, V), >= fp32; T as sampled
+    if softcap:  # e.g. Gemma's final_logit_softcapping, applied by its forward before returning logits
+        logits = softcap * torch.tanh(logits / softcap)
+    lse = logits.logsumexp(-1)
+    logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+    with torch.no_grad():
+        entropy = lse - (logits.softmax(-1) * logits).sum(-1)
+    return logprobs, entropy
+
+
+def get_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
+                 temperature: float, chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs of the response tokens under `model` (DDP-wrapped or not), and their entropy.
+
+    (B, P+L) ids and mask -> logprobs (B, L) in fp32, entropy (B, L) without gradient; both are 0
+    after EOS.
+    The logit at position t predicts token t+1, so response tokens are scored from the hidden states
+    at columns P-1 .. P+L-2. The vocabulary projection runs in chunks of `chunk_size` positions (and is
+    recomputed in the backward pass), so the full (B, L, V) log-softmax never exists at once."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens start at 0
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                output_hidden_states=True, logits_to_keep=1, use_cache=False)
+    hidden = out.hidden_states[-1][:, prompt_length - 1 : -1]  # (B, L, H), after the final norm
+    targets = input_ids[:, prompt_length:]  # (B, L)
+    B, L, H = hidden.shape
+    hf_model = unwrap(model)
+    lm_head, softcap = hf_model.get_output_embeddings(), getattr(hf_model.config, "final_logit_softcapping", None)
+    hidden, targets = hidden.reshape(B * L, H), targets.reshape(B * L)
+    logprobs, entropy = [], []
+    for i in range(0, B * L, chunk_size):
+        args = (hidden[i : i + chunk_size], targets[i : i + chunk_size], lm_head, temperature, softcap)
+        lp, ent = checkpoint(_token_logprobs, *args, use_reentrant=False) if torch.is_grad_enabled() else _token_logprobs(*args)
+        logprobs.append(lp)
+        entropy.append(ent)
+    real = attention_mask[:, prompt_length:]  # (B, L) 0 after EOS: those positions are set to 0, not garbage
+    return torch.cat(logprobs).view(B, L) * real, torch.cat(entropy).view(B, L) * real
+
+
+@torch.no_grad()
+def rollout_logprobs(model, rollout: Rollout, temperature: float, micro_batch_size: int) -> torch.Tensor:
+    """Log-probs (B, L) of a whole rollout's response tokens, `micro_batch_size` sequences at a time."""
+    return torch.cat([
+        get_logprobs(model, rollout.input_ids[i : i + micro_batch_size], rollout.attention_mask[i : i + micro_batch_size],
+                     rollout.prompt_length, temperature)[0]
+        for i in range(0, len(rollout.input_ids), micro_batch_size)
+    ])
+
+
+# ---------------------------------------------------------------------------------------------
+# Rewards
+# ---------------------------------------------------------------------------------------------
+
+_NUMBER = r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?"
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a completion: the last \\boxed{...}, else what follows '####', else the last number."""
+    start = text.rfind("\\boxed{")
+    if start >= 0:
+        depth, i = 1, start + len("\\boxed{")
+        for j in range(i, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            if depth == 0:
+                return text[i:j].strip()
+        return None  # unclosed brace
+    if "####" in text:
+        return text.rsplit("####", 1)[1].strip() or None
+    numbers = re.findall(_NUMBER, text)
+    return numbers[-1] if numbers else None
+
+
+def _to_number(text: str) -> float | None:
+    text = text.replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
+    try:
+        if "/" in text:
+            num, den = text.split("/")
+            return float(num) / float(den)
+        return float(text)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def math_equal(prediction: str | None, answer: str) -> bool:
+    """Numerical comparison when both sides parse as numbers (1e-6 relative), else exact strings."""
+    if prediction is None:
+        return False
+    p, a = _to_number(prediction), _to_number(answer)
+    if p is not None and a is not None:
+        return math.isclose(p, a, rel_tol=1e-6, abs_tol=1e-9)
+    return prediction.strip() == answer.strip()
+
+
+def correctness_reward(completions: list[str], answers: list[str], exact: bool) -> torch.Tensor:
+    """1.0 where the completion is right: the whole text equals the answer (`exact`, the built-in task),
+    or its extracted final answer equals it numerically (real data)."""
+    right = [c.strip() == a.strip() if exact else math_equal(extract_answer(c), a) for c, a in zip(completions, answers)]
+    return torch.tensor(right, dtype=torch.float32)
+
+
+def format_reward(completions: list[str], exact: bool) -> torch.Tensor:
+    """1.0 where the answer is given in the expected form: a bare number (built-in) or \\boxed{} / ####."""
+    if exact:
+        ok = [re.fullmatch(r"\s*-?\d+\s*", c) is not None for c in completions]
+    else:
+        ok = ["\\boxed{" in c or "####" in c for c in completions]
+    return torch.tensor(ok, dtype=torch.float32)
+
+
+def load_reward_fn(spec: str):
+    """`module:function` or `path/to/file.py:function`. The function is called as
+    `fn(prompts, completions, answers) -> list of one finite float per completion`."""
+    module_name, _, fn_name = spec.rpartition(":")
+    if not module_name or not fn_name:
+        raise fail(f"--reward-fn {spec!r}: expected 'module:function' or 'file.py:function'.")
+    try:
+        if module_name.endswith(".py"):
+            loader_spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+            if loader_spec is None or not Path(module_name).is_file():
+                raise ImportError(f"no file {module_name}")
+            module = importlib.util.module_from_spec(loader_spec)
+            loader_spec.loader.exec_module(module)
+        else:
+            sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(module_name)
+    except Exception as e:
+        raise fail(f"--reward-fn {spec!r}: cannot import {module_name!r} ({type(e).__name__}: {e}).") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise fail(f"--reward-fn {spec!r}: {module_name!r} has no function {fn_name!r}.")
+    return fn
+
+
+def call_reward_fn(fn, spec: str, prompts: list[str], completions: list[str], answers: list[str]) -> torch.Tensor:
+    """Call a user reward function and hold it to its contract, failing with a clear message."""
+    try:
+        values = fn(prompts, completions, answers)
+    except Exception as e:
+        raise fail(f"--reward-fn {spec!r} raised {type(e).__name__}: {e}") from None
+    if values is None or not hasattr(values, "__len__") or len(values) != len(completions):
+        got = "None" if values is None else f"{type(values).__name__} of length {len(values) if hasattr(values, '__len__') else '?'}"
+        raise fail(f"--reward-fn {spec!r} must return one float per completion ({len(completions)}), got {got}.")
+    try:
+        out = torch.tensor([float(v) for v in values], dtype=torch.float32)
+    except (TypeError, ValueError):
+        raise fail(f"--reward-fn {spec!r} returned a value that is not a float: {list(values)[:4]}...") from None
+    if not torch.isfinite(out).all():
+        raise fail(f"--reward-fn {spec!r} returned NaN or inf for {(~torch.isfinite(out)).sum().item()} completions.")
+    return out
+
+
+def score(prompts: list[str], completions: list[str], answers: list[str], exact: bool, format_weight: float = 0.0,
+          reward_fn=None, reward_fn_spec: str = "") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Total reward (B,) = correct + format_weight * format + user reward, and each component (B,)."""
+    components = {"correct": correctness_reward(completions, answers, exact)}
+    if format_weight:
+        components["format"] = format_reward(completions, exact)
+    if reward_fn is not None:
+        components["user"] = call_reward_fn(reward_fn, reward_fn_spec, prompts, completions, answers)
+    rewards = components["correct"] + format_weight * components.get("format", 0.0) + components.get("user", 0.0)
+    return rewards, components
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation and checkpoints
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, examples: list[dict], chat_template: bool, exact: bool, max_new_tokens: int,
+             rank: int, world_size: int, seed: int, batch_size: int = 256) -> dict[str, float]:
+    """Held-out accuracy: one sample at T=1 (`eval/accuracy`) and greedy (`eval/accuracy_greedy`).
+    Each rank scores a strided shard; sampling is seeded and forked so that evaluation neither
+    depends on nor disturbs the training RNG."""
+    shard = examples[rank::world_size]
+    right = torch.zeros(2, dtype=torch.float64, device=model.device)
+    with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []):
+        torch.manual_seed(seed + rank)
+        for i in range(0, len(shard), batch_size):
+            batch = shard[i : i + batch_size]
+            prompts = [format_prompt(tokenizer, e["prompt"], chat_template) for e in batch]
+            answers = [e["answer"] for e in batch]
+            for j, greedy in enumerate((False, True)):
+                texts = generate(model, tokenizer, prompts, 1, max_new_tokens, 1.0, greedy=greedy).texts
+                right[j] += correctness_reward(texts, answers, exact).sum().item()
+    right = all_reduce_sum(right) / len(examples)
+    return {"eval/accuracy": right[0].item(), "eval/accuracy_greedy": right[1].item()}
+
+
+def save_checkpoint(model, tokenizer, path: Path) -> None:
+    """`save_pretrained` of model and tokenizer, written to a temporary folder and then renamed, so a
+    crash never leaves a half-written checkpoint under `path`. Call on rank 0 only."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    unwrap(model).save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if path.exists():
+        shutil.rmtree(path)
+    tmp.rename(path)
+
+
+@contextlib.contextmanager
+def timed(seconds: dict[str, float], name: str):
+    """`with timed(times, "gen"): ...` adds the section's wall time to times["gen"]."""
+    start = time.perf_counter()
+    yield
+    seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start

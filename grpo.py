@@ -1,0 +1,341 @@
+"""GRPO: Group Relative Policy Optimization, as in the DeepSeekMath paper.
+
+For each prompt, sample a group of G completions, score them, and use each completion's reward
+standardised within its group as the advantage of every one of its tokens: no critic. The policy
+maximises PPO's clipped surrogate with that advantage, minus a k3 estimate of the KL divergence to
+a frozen reference model, added to the loss per token. Each completion's token losses are averaged,
+then the completions are averaged ("seq-mean-token-mean").
+
+Paper: Shao et al., "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language
+Models", arXiv:2402.03300 (2024), section 4.1.
+
+Objective (maximised; r = pi_theta / pi_old per token, A_i = (R_i - mean R) / (std R + eps)):
+    J = 1/G sum_i 1/|o_i| sum_t [ min(r_it A_i, clip(r_it, 1-eps, 1+eps) A_i) - beta * k3_it ]
+    k3_it = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1
+
+This is the baseline file: dapo.py, cispo.py, gvpo.py and ppo.py differ from it only in their
+algorithm sections (`diff grpo.py dapo.py`).
+
+Run:
+    python grpo.py                                          # offline default: tiny model, a+b task, CPU
+    torchrun --standalone --nproc_per_node=2 grpo.py        # data-parallel (gloo on CPU, nccl on GPU)
+    torchrun --standalone --nproc_per_node=8 grpo.py --model Qwen/Qwen2.5-0.5B-Instruct \\
+        --dataset train.jsonl --max-new-tokens 512 --learning-rate 1e-6 --micro-batch-size 16
+"""
+
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+import tyro
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from common import (
+    DEFAULT_MODEL,
+    Logger,
+    all_reduce_mean,
+    all_reduce_sum,
+    call_reward_fn,
+    cleanup_distributed,
+    evaluate,
+    exact_div,
+    fail,
+    format_prompt,
+    generate,
+    get_logprobs,
+    load_data,
+    load_model,
+    load_reward_fn,
+    load_tokenizer,
+    peak_memory_gb,
+    print0,
+    prompt_batch,
+    rollout_logprobs,
+    save_checkpoint,
+    score,
+    setup_distributed,
+    timed,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Config
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Args:
+    # Experiment
+    seed: int = 1
+    """seed of the data order, the sampling and evaluation"""
+    run_name: Optional[str] = None
+    """metrics and checkpoints go to <output-dir>/<run-name> (default: <file>__<seed>__<unix time>)"""
+    output_dir: str = "runs"
+    track: bool = False
+    """log to Weights & Biases (pip install wandb)"""
+    eval_every: int = 20
+    """evaluate on the held-out split every N steps, and at the end (0: never)"""
+    save_every: int = 0
+    """save a checkpoint every N steps (0: only at the end)"""
+
+    # Model & data
+    model: str = DEFAULT_MODEL
+    """Hugging Face model name or local folder"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """weights dtype; auto = float32 on CPU, bfloat16 on GPU (log-probs are always computed in float32)"""
+    dataset: Optional[str] = None
+    """JSONL file with "prompt" and "answer" fields (default: the built-in a+b task)"""
+    eval_dataset: Optional[str] = None
+    """held-out JSONL file (default: the last --eval-size rows of --dataset)"""
+    eval_size: int = 500
+    """held-out prompts taken from the built-in task or --dataset when there is no --eval-dataset"""
+    chat_template: bool = True
+    """wrap prompts in the tokenizer's chat template, when it has one"""
+    format_weight: float = 0.0
+    """weight of the format reward (answer as a bare number / in \\boxed{}) added to correctness"""
+    reward_fn: Optional[str] = None
+    """extra reward 'module:function' or 'file.py:function', called as fn(prompts, completions, answers)"""
+
+    # Rollout
+    num_steps: int = 200
+    """optimizer steps x updates-per-rollout x minibatches: one rollout per step"""
+    prompts_per_step: int = 32
+    """prompts per rollout, over all ranks"""
+    group_size: int = 8
+    """G: completions sampled per prompt"""
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+
+    # Optimization
+    learning_rate: float = 2e-4
+    """tuned for the tiny default model; 1e-6 is the paper's value for 7B models"""
+    updates_per_rollout: int = 2
+    """mu: passes over each rollout (1 makes the ratio exactly 1 and clipping inactive)"""
+    num_minibatches: int = 1
+    """optimizer steps per pass over the rollout"""
+    micro_batch_size: Optional[int] = None
+    """sequences per forward/backward on each rank, accumulated up to the minibatch (default: the whole minibatch)"""
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.0
+
+    # Algorithm
+    clip_eps: float = 0.2
+    """epsilon of the clipped ratio (not given in the paper; 0.2 as in PPO)"""
+    beta: float = 0.04
+    """weight of the k3 KL penalty to the reference model (paper: 0.04); 0 skips the reference model"""
+    std_eps: float = 1e-6
+    """added to the group std before dividing (verl's value)"""
+
+    # Computed at runtime
+    world_size: tyro.conf.Suppress[int] = 1
+    local_prompts_per_step: tyro.conf.Suppress[int] = 0
+    local_batch_size: tyro.conf.Suppress[int] = 0
+    minibatch_size: tyro.conf.Suppress[int] = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Algorithm
+# ---------------------------------------------------------------------------------------------
+
+
+def compute_advantages(rewards: torch.Tensor, group_size: int, std_eps: float = 1e-6) -> torch.Tensor:
+    """Group-relative advantage: (R_i - mean_G R) / (std_G R + eps), with the unbiased std.
+
+    rewards: (B,) with the G completions of each prompt stored contiguously -> advantages (B,).
+    A group whose rewards are all equal gets advantage 0 for every member."""
+    grouped = rewards.view(-1, group_size)  # (B/G, G)
+    mean = grouped.mean(dim=1, keepdim=True)
+    std = grouped.std(dim=1, keepdim=True)  # unbiased (1/(G-1)), as verl and TRL
+    return ((grouped - mean) / (std + std_eps)).view(-1)
+
+
+def compute_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: Optional[torch.Tensor],
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    num_sequences: float,
+    clip_eps: float = 0.2,
+    beta: float = 0.04,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GRPO loss (minimised): clipped surrogate + beta * k3 KL, token-mean per sequence, then summed over
+    sequences and divided by `num_sequences`.
+
+    logprobs, old_logprobs, ref_logprobs, response_mask: (B, T); advantages: (B,).
+    num_sequences: the number of sequences in the whole optimizer step (every micro-batch, every rank),
+    so that micro-batch losses add up to the step's mean; computed once by the caller.
+    ref_logprobs may be None when beta = 0."""
+    ratio = torch.exp(logprobs - old_logprobs)  # (B, T); exactly 1 on the first update of a rollout
+    adv = advantages.unsqueeze(-1)  # (B, 1): one advantage for every token of a completion
+    pg_losses = torch.max(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps))  # (B, T)
+    if beta > 0:
+        log_ref_ratio = (ref_logprobs - logprobs).clamp(-20, 20)  # log(pi_ref / pi_theta), clamped before exp
+        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # (B, T) k3: unbiased, >= 0, differentiable
+    else:
+        kl = torch.zeros_like(logprobs)
+    token_count = response_mask.sum(-1).clamp(min=1)  # (B,) |o_i|, EOS included
+    seq_loss = ((pg_losses + beta * kl) * response_mask).sum(-1) / token_count  # (B,) token-mean per sequence
+    loss = seq_loss.sum() / num_sequences
+
+    with torch.no_grad():
+        n = response_mask.sum().clamp(min=1)
+        clipped = (ratio - 1).abs() > clip_eps
+        metrics = {
+            "loss/policy": ((pg_losses * response_mask).sum(-1) / token_count).mean().item(),
+            "loss/kl": ((kl * response_mask).sum(-1) / token_count).mean().item(),
+            "policy/clipfrac": ((clipped.float() * response_mask).sum() / n).item(),
+            "policy/approx_kl": (((ratio - 1) - torch.log(ratio)) * response_mask).sum().item() / n.item(),
+        }
+    return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Training
+# ---------------------------------------------------------------------------------------------
+
+
+def main(args: Args) -> None:
+    rank, args.world_size, device = setup_distributed()
+    args.local_prompts_per_step = exact_div(
+        args.prompts_per_step, args.world_size, "--prompts-per-step must be divisible by the number of ranks")
+    args.local_batch_size = args.local_prompts_per_step * args.group_size
+    args.minibatch_size = exact_div(
+        args.local_batch_size, args.num_minibatches,
+        "--num-minibatches must divide the sequences per rank (--prompts-per-step / ranks * --group-size)")
+    args.micro_batch_size = args.micro_batch_size or args.minibatch_size
+    exact_div(args.minibatch_size, args.micro_batch_size,
+              "--micro-batch-size must divide the sequences per rank and minibatch")
+    if args.group_size < 2:
+        raise fail(f"--group-size {args.group_size}: group advantages need at least 2 completions per prompt.")
+    run_name = args.run_name or f"{Path(__file__).stem}__{args.seed}__{int(time.time())}"
+    run_dir = Path(args.output_dir) / run_name
+
+    # Data and the user reward are checked before any model is loaded, so bad input fails fast.
+    train_set, eval_set = load_data(args.dataset, args.eval_dataset, args.eval_size)
+    exact = args.dataset is None  # the built-in task's answers are compared as whole strings
+    reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else None
+    if reward_fn:  # check the contract now on two examples, not after the first rollout
+        call_reward_fn(reward_fn, args.reward_fn, *zip(*[(e["prompt"], e["answer"], e["answer"]) for e in train_set[:2]]))
+
+    # Same initial weights on every rank (they come from disk); sampling differs per rank, or every
+    # rank would draw the same completions for its prompts' groups.
+    torch.manual_seed(args.seed + rank)
+    tokenizer = load_tokenizer(args.model)
+    policy = load_model(args.model, args.dtype, device, tokenizer)
+    ref_policy = None
+    if args.beta > 0:  # the reference is the frozen initial policy; not loaded at all when beta = 0
+        ref_policy = load_model(args.model, args.dtype, device, tokenizer).eval().requires_grad_(False)
+    model = DDP(policy) if args.world_size > 1 else policy  # DDP averages gradients over ranks
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    logger = Logger(run_dir, asdict(args), rank, args.track)
+    print0(f"{args.prompts_per_step} prompts x {args.group_size} completions = "
+           f"{args.prompts_per_step * args.group_size} sequences per step on {args.world_size} rank(s), "
+           f"up to {args.prompts_per_step * args.group_size * args.max_new_tokens} response tokens; "
+           f"{args.updates_per_rollout * args.num_minibatches} optimizer steps per rollout")
+    last_checkpoint = None
+
+    for step in range(args.num_steps):
+        step_start, times, metrics = time.perf_counter(), {}, {}
+        if args.eval_every and step % args.eval_every == 0:
+            metrics.update(evaluate(policy, tokenizer, eval_set, args.chat_template, exact, args.max_new_tokens,
+                                    rank, args.world_size, args.seed))
+
+        # 1. sample prompts: this rank's slice of the step's global batch
+        batch = prompt_batch(train_set, step, args.prompts_per_step, rank, args.world_size, args.seed)
+        prompts = [format_prompt(tokenizer, e["prompt"], args.chat_template) for e in batch]
+
+        # 2. generate G completions per prompt, stored contiguously by group
+        with timed(times, "gen"):
+            rollout = generate(policy, tokenizer, prompts, args.group_size, args.max_new_tokens, args.temperature)
+        b_ids, b_attention_mask, b_response_mask = rollout.input_ids, rollout.attention_mask, rollout.response_mask
+
+        # 3. score
+        answers = [e["answer"] for e in batch for _ in range(args.group_size)]
+        group_prompts = [e["prompt"] for e in batch for _ in range(args.group_size)]
+        rewards, components = score(group_prompts, rollout.texts, answers, exact, args.format_weight,
+                                    reward_fn, args.reward_fn)
+
+        # 4. advantages
+        b_advantages = compute_advantages(rewards, args.group_size, args.std_eps).to(device)  # (B,)
+
+        # 5. old/ref log-probs (no grad), recomputed by the training model: the ratio starts at exactly 1
+        with timed(times, "logprobs"):
+            b_old_logprobs = rollout_logprobs(model, rollout, args.temperature, args.micro_batch_size)  # (B, T)
+            b_ref_logprobs = None
+            if ref_policy is not None:
+                b_ref_logprobs = rollout_logprobs(ref_policy, rollout, args.temperature, args.micro_batch_size)
+
+        # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
+        with timed(times, "update"):
+            update_metrics, grad_norms = [], []
+            for _ in range(args.updates_per_rollout):
+                b_order = torch.randperm(args.local_batch_size, device=device)
+                for start in range(0, args.local_batch_size, args.minibatch_size):
+                    mb_idx = b_order[start : start + args.minibatch_size]
+                    # Sequences in this optimizer step over all ranks; computed once, before the micro-batches.
+                    num_sequences = all_reduce_sum((b_response_mask[mb_idx].sum(-1) > 0).sum()).item()
+                    num_sequences /= args.world_size  # DDP averages gradients over ranks: undo it
+                    micro_starts = range(0, args.minibatch_size, args.micro_batch_size)
+                    for k, micro in enumerate(micro_starts):
+                        idx = mb_idx[micro : micro + args.micro_batch_size]
+                        last = k == len(micro_starts) - 1
+                        # Sync gradients over ranks once per optimizer step, on the last micro-batch.
+                        with model.no_sync() if args.world_size > 1 and not last else nullcontext():
+                            logprobs, entropy = get_logprobs(model, b_ids[idx], b_attention_mask[idx],
+                                                             rollout.prompt_length, args.temperature)
+                            loss, mb_metrics = compute_loss(
+                                logprobs, b_old_logprobs[idx], None if b_ref_logprobs is None else b_ref_logprobs[idx],
+                                b_advantages[idx], b_response_mask[idx], num_sequences, args.clip_eps, args.beta)
+                            loss.backward()
+                        mb_metrics["policy/entropy"] = ((entropy * b_response_mask[idx]).sum() /
+                                                        b_response_mask[idx].sum()).item()
+                        update_metrics.append(mb_metrics)
+                    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                    if not torch.isfinite(grad_norm):  # same value on every rank: gradients are synced
+                        raise fail(f"step {step}: non-finite gradient norm ({grad_norm.item()}); stopped before "
+                                   f"the optimizer step. Last checkpoint: {last_checkpoint or 'none'}. "
+                                   "Try a lower --learning-rate, or check --reward-fn.")
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    grad_norms.append(grad_norm.item())
+
+        # 7. log, evaluate, checkpoint
+        lengths = b_response_mask.sum(-1)
+        step_s = time.perf_counter() - step_start
+        metrics.update({
+            "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std().item(),
+            **{f"reward/{name}": value.mean().item() for name, value in components.items()},
+            "response/length_mean": lengths.mean().item(),
+            "response/truncated_frac": rollout.truncated.float().mean().item(),
+            **{key: sum(m[key] for m in update_metrics) / len(update_metrics) for key in update_metrics[0]},
+            "policy/grad_norm": sum(grad_norms) / len(grad_norms),
+            "perf/step_s": step_s,
+            "perf/gen_s": times["gen"],
+            "perf/logprobs_s": times["logprobs"],
+            "perf/update_s": times["update"],
+            "perf/tokens_per_s": lengths.sum().item() * args.world_size / step_s,
+            "perf/peak_mem_gb": peak_memory_gb(device),
+        })
+        logger.log(step, all_reduce_mean(metrics, device))
+        if args.save_every and (step + 1) % args.save_every == 0:
+            last_checkpoint = run_dir / f"step_{step + 1}"
+            if rank == 0:
+                save_checkpoint(policy, tokenizer, last_checkpoint)
+
+    if args.eval_every:
+        logger.log(args.num_steps, evaluate(policy, tokenizer, eval_set, args.chat_template, exact,
+                                            args.max_new_tokens, rank, args.world_size, args.seed))
+    if rank == 0:
+        save_checkpoint(policy, tokenizer, run_dir / "final")
+    print0(f"done: {run_dir / 'final'}")
+    logger.close()
+    cleanup_distributed()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

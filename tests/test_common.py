@@ -1,0 +1,236 @@
+"""common.py: tokenizer, data, generation, log-probs and rewards."""
+
+import copy
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from common import (
+    DEFAULT_MODEL,
+    builtin_splits,
+    call_reward_fn,
+    extract_answer,
+    format_prompt,
+    generate,
+    get_logprobs,
+    load_jsonl,
+    load_model,
+    load_reward_fn,
+    load_tokenizer,
+    math_equal,
+    prompt_batch,
+    score,
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return load_model(DEFAULT_MODEL, "float32", torch.device("cpu"), tokenizer)
+
+
+# --- tokenizer and data -------------------------------------------------------------------------
+
+
+def test_tiny_tokenizer_round_trips_spaces_and_newlines():
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)  # what any user code does
+    text = "12 + 3\n= 15"
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert len(ids) == len(text)  # one token per character
+    assert tok.decode(ids) == text
+    assert tok.pad_token_id != tok.eos_token_id
+    assert tok.eos_token == "<|im_end|>"
+    prompt = format_prompt(tok, "3+4", chat_template=True)
+    assert prompt == "<|im_start|>user\n3+4<|im_end|>\n<|im_start|>assistant\n"
+    assert format_prompt(tok, "3+4", chat_template=False) == "3+4"
+
+
+def test_builtin_splits_are_disjoint_and_fixed():
+    train, eval_set = builtin_splits()
+    assert len(eval_set) == 500 and len(train) == 9500
+    assert not {e["prompt"] for e in train} & {e["prompt"] for e in eval_set}
+    assert eval_set == builtin_splits()[1]
+    a, b = map(int, eval_set[0]["prompt"].split("+"))
+    assert eval_set[0]["answer"] == str(a + b)
+
+
+def test_prompt_batch_shards_one_global_order():
+    examples = [{"prompt": str(i), "answer": str(i)} for i in range(10)]
+    for step in range(4):  # 4 steps x 4 prompts crosses an epoch boundary
+        whole = prompt_batch(examples, step, 4, rank=0, world_size=1, seed=3)
+        shards = prompt_batch(examples, step, 4, 0, 2, 3) + prompt_batch(examples, step, 4, 1, 2, 3)
+        assert shards == whole
+    epoch0 = [p["prompt"] for s in range(2) for p in prompt_batch(examples, s, 5, 0, 1, seed=3)]
+    assert sorted(epoch0, key=int) == [str(i) for i in range(10)]  # each example once per epoch
+    assert prompt_batch(examples, 0, 4, 0, 1, seed=4) != prompt_batch(examples, 0, 4, 0, 1, seed=3)
+
+
+def test_load_jsonl(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "1+1", "answer": 2}\n\n{"prompt": "x", "answer": "y", "extra": 1}\n')
+    assert load_jsonl(str(path)) == [{"prompt": "1+1", "answer": "2"}, {"prompt": "x", "answer": "y"}]
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"prompt": "a", "answer": "b"}\n{"prompt": "a" "answer"}\n', "d.jsonl:2: not valid JSON"),
+        ('{"prompt": "a", "answer": "b"}\n{"prompt": "a"}\n', "d.jsonl:2: missing field answer"),
+        ('["prompt", "answer"]\n', "d.jsonl:1: missing field prompt, answer"),
+        ("\n\n", "has no examples"),
+    ],
+)
+def test_load_jsonl_errors_name_file_and_line(tmp_path, content, message):
+    path = tmp_path / "d.jsonl"
+    path.write_text(content)
+    with pytest.raises(SystemExit, match=message):
+        load_jsonl(str(path))
+
+
+# --- generation and log-probs -------------------------------------------------------------------
+
+
+def test_rollout_masks_and_groups(model, tokenizer):
+    torch.manual_seed(0)
+    prompts = [format_prompt(tokenizer, p, True) for p in ("1+2", "45+67")]  # different lengths: left padding
+    r = generate(model, tokenizer, prompts, group_size=3, max_new_tokens=6, temperature=1.0)
+    B, L = r.response_mask.shape
+    assert B == 6 and r.input_ids.shape == (6, r.prompt_length + L)
+    response = r.input_ids[:, r.prompt_length :]
+    for i in range(B):
+        n = int(r.response_mask[i].sum())
+        assert r.response_mask[i, :n].all() and not r.response_mask[i, n:].any()  # a prefix
+        if r.truncated[i]:
+            assert n == 6 and tokenizer.eos_token_id not in response[i].tolist()
+        else:
+            assert response[i, n - 1] == tokenizer.eos_token_id  # EOS is the last masked-in token
+            assert (response[i, n:] == tokenizer.pad_token_id).all()
+        assert r.texts[i] == tokenizer.decode(response[i, : n - (not r.truncated[i])])
+    assert (r.attention_mask[:, r.prompt_length :] == r.response_mask).all()
+    first_prompt = r.input_ids[0, : r.prompt_length]
+    assert (r.input_ids[:3, : r.prompt_length] == first_prompt).all()  # a group shares its prompt, rows 0..2
+    assert r.attention_mask[0, 0] == 0 and r.attention_mask[3, 0] == 1  # the shorter prompt is left-padded
+
+
+def test_recomputed_logprobs_match_generate_logits_under_temperature(model, tokenizer):
+    """The training forward (full sequence, position ids from the mask) scores the sampled tokens
+    exactly as the sampler's own logits did: log_softmax(raw_logits / T)."""
+    T = 0.7
+    torch.manual_seed(0)
+    prompts = [format_prompt(tokenizer, p, True) for p in ("1+2", "45+67", "99+9")]
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    out = model.generate(**enc, do_sample=True, temperature=T, top_k=0, top_p=1.0, max_new_tokens=6,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id)
+    P = enc.input_ids.shape[1]
+    response = out.sequences[:, P:]
+    raw = torch.stack(out.logits, 1)  # (B, L, V) before any processing
+    expected = torch.log_softmax(raw.float() / T, -1).gather(-1, response[..., None]).squeeze(-1)
+    is_eos = response == tokenizer.eos_token_id
+    first = torch.where(is_eos.any(-1), is_eos.int().argmax(-1), response.shape[1])
+    mask = (torch.arange(response.shape[1])[None] <= first[:, None]).long()
+    ids = torch.cat([enc.input_ids, response], 1)
+    attention = torch.cat([enc.attention_mask, mask], 1)
+    logprobs, entropy = get_logprobs(model, ids, attention, P, T)
+    torch.testing.assert_close(logprobs * mask, expected * mask, atol=2e-5, rtol=0)
+    assert (entropy[mask.bool()] > 0).all()
+
+
+def naive_logprobs(model, ids, attention, P, T):
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=attention, position_ids=position_ids).logits[:, P - 1 : -1]
+    return torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / T, -1).gather(-1, ids[:, P:, None]).squeeze(-1) * attention[:, P:]
+
+
+def test_chunked_logprobs_and_gradients_equal_full_log_softmax(model, tokenizer):
+    model = copy.deepcopy(model).double()  # float64, so that only a real difference shows
+    torch.manual_seed(0)
+    prompts = [format_prompt(tokenizer, p, True) for p in ("1+2", "45+67")]
+    r = generate(model, tokenizer, prompts, 2, 6, 1.0)
+    expected = naive_logprobs(model, r.input_ids, r.attention_mask, r.prompt_length, 1.3)
+    (expected * torch.arange(expected.numel()).view_as(expected)).sum().backward()
+    expected_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logprobs, _ = get_logprobs(model, r.input_ids, r.attention_mask, r.prompt_length, 1.3, chunk_size=5)
+    torch.testing.assert_close(logprobs, expected, atol=1e-12, rtol=0)
+    (logprobs * torch.arange(logprobs.numel()).view_as(logprobs)).sum().backward()
+    for p, g in zip(model.parameters(), expected_grads):
+        torch.testing.assert_close(p.grad, g, atol=1e-9, rtol=1e-9)
+
+
+def test_left_padding_does_not_change_logprobs(model, tokenizer):
+    """Position ids follow the mask: a sequence scores the same alone and left-padded in a batch."""
+    torch.manual_seed(0)
+    r = generate(model, tokenizer, [format_prompt(tokenizer, p, True) for p in ("1+2", "45+67")], 1, 6, 1.0)
+    batched, _ = get_logprobs(model, r.input_ids, r.attention_mask, r.prompt_length, 1.0)
+    pad = int((r.attention_mask[0, : r.prompt_length] == 0).sum())
+    alone, _ = get_logprobs(model, r.input_ids[:1, pad:], r.attention_mask[:1, pad:], r.prompt_length - pad, 1.0)
+    assert pad > 0
+    torch.testing.assert_close(alone, batched[:1], atol=1e-5, rtol=0)
+
+
+# --- rewards ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, answer",
+    [
+        ("so the answer is \\boxed{42}.", "42"),
+        ("\\boxed{1} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),  # the last box, nested braces
+        ("work... #### 1,234", "1,234"),
+        ("3 apples and 5 pears: 8", "8"),
+        ("-3.5 degrees", "-3.5"),
+        ("ratio 3/4", "3/4"),
+        ("no number here", None),
+        ("\\boxed{7", None),  # unclosed: no answer rather than a guess
+        ("", None),
+    ],
+)
+def test_extract_answer(text, answer):
+    assert extract_answer(text) == answer
+
+
+@pytest.mark.parametrize(
+    "prediction, answer, equal",
+    [("1,234", "1234", True), ("0.5", "1/2", True), ("$12", "12", True), ("12.0", "12", True),
+     ("13", "12", False), (None, "12", False), ("x+1", "x+1", True), ("1/0", "1", False), ("abc", "12", False)],
+)
+def test_math_equal(prediction, answer, equal):
+    assert math_equal(prediction, answer) is equal
+
+
+def test_score_components():
+    completions = ["12", " 12 ", "12 13", "13"]
+    rewards, parts = score(["p"] * 4, completions, ["12"] * 4, exact=True, format_weight=0.5)
+    assert parts["correct"].tolist() == [1, 1, 0, 0]  # exact: the whole completion is the answer
+    assert parts["format"].tolist() == [1, 1, 0, 1]
+    assert rewards.tolist() == [1.5, 1.5, 0, 0.5]
+    _, parts = score(["p"] * 4, completions, ["13"] * 4, exact=False)
+    assert parts["correct"].tolist() == [0, 0, 1, 1]  # math: the last number
+
+
+def test_user_reward_fn(tmp_path):
+    (tmp_path / "my_rewards.py").write_text(
+        "def length(prompts, completions, answers):\n    return [len(c) for c in completions]\n"
+        "def broken(prompts, completions, answers):\n    raise KeyError('oops')\n"
+        "def short(prompts, completions, answers):\n    return [1.0]\n"
+        "def none(prompts, completions, answers):\n    return None\n"
+        "def nan(prompts, completions, answers):\n    return [float('nan')] * len(completions)\n"
+        "def text(prompts, completions, answers):\n    return ['a'] * len(completions)\n"
+    )
+    spec = str(tmp_path / "my_rewards.py") + ":length"
+    fn = load_reward_fn(spec)
+    rewards, parts = score(["p", "p"], ["1", "abc"], ["1", "1"], exact=True, reward_fn=fn, reward_fn_spec=spec)
+    assert parts["user"].tolist() == [1, 3] and rewards.tolist() == [2, 3]
+    for name, message in [("broken", "raised KeyError: 'oops'"), ("short", "one float per completion \\(2\\)"),
+                          ("none", "got None"), ("nan", "NaN or inf"), ("text", "not a float")]:
+        spec = f"{tmp_path / 'my_rewards.py'}:{name}"
+        with pytest.raises(SystemExit, match=message):
+            call_reward_fn(load_reward_fn(spec), spec, ["p", "p"], ["1", "2"], ["1", "1"])
+    for spec, message in [("no_such_module_xyz:f", "cannot import"), (f"{tmp_path / 'my_rewards.py'}:missing", "no function"),
+                          ("nocolon", "expected 'module:function'"), (f"{tmp_path / 'nofile.py'}:f", "cannot import")]:
+        with pytest.raises(SystemExit, match=message):
+            load_reward_fn(spec)
