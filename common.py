@@ -58,7 +58,10 @@ def setup_distributed() -> tuple[int, int, torch.device]:
     else:
         device = torch.device("cpu")
     if world_size > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+        if device.type == "cuda":
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
     return rank, world_size, device
 
 
@@ -175,20 +178,20 @@ def load_tokenizer(name: str):
     return tokenizer
 
 
-def load_model(name: str, dtype: str, device: torch.device, tokenizer=None):
+def load_model(name: str, dtype: str, device: torch.device, tokenizer):
     """Any causal LM by Hugging Face name or local path, dropout off, in `dtype` ("auto": fp32 on CPU,
-    bf16 on GPU)."""
+    bf16 on GPU), its embeddings grown if `load_tokenizer` added a pad token."""
     if dtype == "auto":
         dtype = "bfloat16" if device.type == "cuda" else "float32"
     check_model_name(name)
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype))
     except (OSError, ValueError) as e:
         raise fail(f"--model {name!r}: cannot load it ({str(e).splitlines()[0]}). "
                    "Pass a local folder or a Hugging Face model name reachable from this machine.") from None
-    if tokenizer is not None and len(tokenizer) > model.get_input_embeddings().num_embeddings:
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # a pad token was added
-    model.config.pad_token_id = model.generation_config.pad_token_id = tokenizer.pad_token_id if tokenizer else None
+    model.config.pad_token_id = model.generation_config.pad_token_id = tokenizer.pad_token_id
     for module in model.modules():  # dropout off: log-probs must be a deterministic function of the weights
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -257,7 +260,8 @@ def format_prompt(tokenizer, prompt: str, chat_template: bool) -> str:
     """The text the model continues: the chat template's user turn + assistant header when the
     tokenizer has a template (and `--chat-template` is on), else the raw prompt after BOS."""
     if chat_template and tokenizer.chat_template:
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        messages = [{"role": "user", "content": prompt}]
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return (tokenizer.bos_token or "") + prompt
 
 
@@ -331,7 +335,8 @@ def generate(model, tokenizer, prompts: list[str], group_size: int, max_new_toke
     positions = torch.arange(response.shape[1], device=response.device)
     response_mask = (positions[None] <= first_eos[:, None]).long()  # EOS is an action: keep it in the mask
     response = response.masked_fill(response_mask == 0, tokenizer.pad_token_id)
-    texts = tokenizer.batch_decode([r[:n] for r, n in zip(response.tolist(), first_eos.tolist())], skip_special_tokens=True)
+    texts = tokenizer.batch_decode([r[:n] for r, n in zip(response.tolist(), first_eos.tolist())],
+                                   skip_special_tokens=True)
     return Rollout(
         input_ids=torch.cat([prompt_ids, response], 1),
         attention_mask=torch.cat([prompt_mask, response_mask], 1),
@@ -377,7 +382,10 @@ def get_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
     logprobs, entropy = [], []
     for i in range(0, B * L, chunk_size):
         args = (hidden[i : i + chunk_size], targets[i : i + chunk_size], lm_head, temperature, softcap)
-        lp, ent = checkpoint(_token_logprobs, *args, use_reentrant=False) if torch.is_grad_enabled() else _token_logprobs(*args)
+        if torch.is_grad_enabled():
+            lp, ent = checkpoint(_token_logprobs, *args, use_reentrant=False)
+        else:
+            lp, ent = _token_logprobs(*args)
         logprobs.append(lp)
         entropy.append(ent)
     real = attention_mask[:, prompt_length:]  # (B, L) 0 after EOS: those positions are set to 0, not garbage
@@ -387,11 +395,9 @@ def get_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
 @torch.no_grad()
 def rollout_logprobs(model, rollout: Rollout, temperature: float, micro_batch_size: int) -> torch.Tensor:
     """Log-probs (B, L) of a whole rollout's response tokens, `micro_batch_size` sequences at a time."""
-    return torch.cat([
-        get_logprobs(model, rollout.input_ids[i : i + micro_batch_size], rollout.attention_mask[i : i + micro_batch_size],
-                     rollout.prompt_length, temperature)[0]
-        for i in range(0, len(rollout.input_ids), micro_batch_size)
-    ])
+    ids, mask, n = rollout.input_ids, rollout.attention_mask, micro_batch_size
+    return torch.cat([get_logprobs(model, ids[i : i + n], mask[i : i + n], rollout.prompt_length, temperature)[0]
+                      for i in range(0, len(ids), n)])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,7 +447,8 @@ def math_equal(prediction: str | None, answer: str) -> bool:
 def correctness_reward(completions: list[str], answers: list[str], exact: bool) -> torch.Tensor:
     """1.0 where the completion is right: the whole text equals the answer (`exact`, the built-in task),
     or its extracted final answer equals it numerically (real data)."""
-    right = [c.strip() == a.strip() if exact else math_equal(extract_answer(c), a) for c, a in zip(completions, answers)]
+    right = [c.strip() == a.strip() if exact else math_equal(extract_answer(c), a)
+             for c, a in zip(completions, answers)]
     return torch.tensor(right, dtype=torch.float32)
 
 
@@ -454,9 +461,10 @@ def format_reward(completions: list[str], exact: bool) -> torch.Tensor:
     return torch.tensor(ok, dtype=torch.float32)
 
 
-def load_reward_fn(spec: str):
+def load_reward_fn(spec: str, examples: list[dict] = ()):
     """`module:function` or `path/to/file.py:function`. The function is called as
-    `fn(prompts, completions, answers) -> list of one finite float per completion`."""
+    `fn(prompts, completions, answers) -> list of one finite float per completion`; its contract is
+    checked at once on `examples` (their answers as completions), not after the first rollout."""
     module_name, _, fn_name = spec.rpartition(":")
     if not module_name or not fn_name:
         raise fail(f"--reward-fn {spec!r}: expected 'module:function' or 'file.py:function'.")
@@ -475,6 +483,9 @@ def load_reward_fn(spec: str):
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise fail(f"--reward-fn {spec!r}: {module_name!r} has no function {fn_name!r}.")
+    if examples:
+        answers = [e["answer"] for e in examples]
+        call_reward_fn(fn, spec, [e["prompt"] for e in examples], answers, answers)
     return fn
 
 
@@ -484,8 +495,8 @@ def call_reward_fn(fn, spec: str, prompts: list[str], completions: list[str], an
         values = fn(prompts, completions, answers)
     except Exception as e:
         raise fail(f"--reward-fn {spec!r} raised {type(e).__name__}: {e}") from None
-    if values is None or not hasattr(values, "__len__") or len(values) != len(completions):
-        got = "None" if values is None else f"{type(values).__name__} of length {len(values) if hasattr(values, '__len__') else '?'}"
+    if not hasattr(values, "__len__") or len(values) != len(completions):
+        got = f"{type(values).__name__} of length {len(values)}" if hasattr(values, "__len__") else repr(values)
         raise fail(f"--reward-fn {spec!r} must return one float per completion ({len(completions)}), got {got}.")
     try:
         out = torch.tensor([float(v) for v in values], dtype=torch.float32)

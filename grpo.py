@@ -38,7 +38,6 @@ from common import (
     Logger,
     all_reduce_mean,
     all_reduce_sum,
-    call_reward_fn,
     cleanup_distributed,
     evaluate,
     exact_div,
@@ -60,7 +59,6 @@ from common import (
     timed,
 )
 
-
 # ---------------------------------------------------------------------------------------------
 # 1. Config
 # ---------------------------------------------------------------------------------------------
@@ -74,6 +72,7 @@ class Args:
     run_name: Optional[str] = None
     """metrics and checkpoints go to <output-dir>/<run-name> (default: <file>__<seed>__<unix time>)"""
     output_dir: str = "runs"
+    """folder of all runs"""
     track: bool = False
     """log to Weights & Biases (pip install wandb)"""
     eval_every: int = 20
@@ -101,13 +100,15 @@ class Args:
 
     # Rollout
     num_steps: int = 200
-    """optimizer steps x updates-per-rollout x minibatches: one rollout per step"""
+    """training steps; each samples one rollout and takes updates-per-rollout x num-minibatches optimizer steps"""
     prompts_per_step: int = 32
     """prompts per rollout, over all ranks"""
     group_size: int = 8
     """G: completions sampled per prompt"""
     max_new_tokens: int = 8
+    """generation limit per completion; a completion that reaches it without EOS is 'truncated'"""
     temperature: float = 1.0
+    """sampling temperature; log-probs divide the logits by it too"""
 
     # Optimization
     learning_rate: float = 2e-4
@@ -119,7 +120,9 @@ class Args:
     micro_batch_size: Optional[int] = None
     """sequences per forward/backward on each rank, accumulated up to the minibatch (default: the whole minibatch)"""
     max_grad_norm: float = 1.0
+    """gradient clipping (verl and the DAPO script use 1.0)"""
     weight_decay: float = 0.0
+    """AdamW weight decay"""
 
     # Algorithm
     clip_eps: float = 0.2
@@ -200,6 +203,8 @@ def compute_loss(
 
 def main(args: Args) -> None:
     rank, args.world_size, device = setup_distributed()
+    if args.group_size < 2:
+        raise fail(f"--group-size {args.group_size}: group advantages need at least 2 completions per prompt.")
     args.local_prompts_per_step = exact_div(
         args.prompts_per_step, args.world_size, "--prompts-per-step must be divisible by the number of ranks")
     args.local_batch_size = args.local_prompts_per_step * args.group_size
@@ -209,26 +214,24 @@ def main(args: Args) -> None:
     args.micro_batch_size = args.micro_batch_size or args.minibatch_size
     exact_div(args.minibatch_size, args.micro_batch_size,
               "--micro-batch-size must divide the sequences per rank and minibatch")
-    if args.group_size < 2:
-        raise fail(f"--group-size {args.group_size}: group advantages need at least 2 completions per prompt.")
     run_name = args.run_name or f"{Path(__file__).stem}__{args.seed}__{int(time.time())}"
     run_dir = Path(args.output_dir) / run_name
 
     # Data and the user reward are checked before any model is loaded, so bad input fails fast.
     train_set, eval_set = load_data(args.dataset, args.eval_dataset, args.eval_size)
     exact = args.dataset is None  # the built-in task's answers are compared as whole strings
-    reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else None
-    if reward_fn:  # check the contract now on two examples, not after the first rollout
-        call_reward_fn(reward_fn, args.reward_fn, *zip(*[(e["prompt"], e["answer"], e["answer"]) for e in train_set[:2]]))
+    reward_fn = load_reward_fn(args.reward_fn, train_set[:2]) if args.reward_fn else None
 
-    # Same initial weights on every rank (they come from disk); sampling differs per rank, or every
-    # rank would draw the same completions for its prompts' groups.
-    torch.manual_seed(args.seed + rank)
+    # Same seed on every rank while loading, so any newly initialised weights (an added pad token's
+    # embedding) are identical; then seed + rank, or every rank would sample the same completions.
+    torch.manual_seed(args.seed)
     tokenizer = load_tokenizer(args.model)
     policy = load_model(args.model, args.dtype, device, tokenizer)
     ref_policy = None
     if args.beta > 0:  # the reference is the frozen initial policy; not loaded at all when beta = 0
+        torch.manual_seed(args.seed)
         ref_policy = load_model(args.model, args.dtype, device, tokenizer).eval().requires_grad_(False)
+    torch.manual_seed(args.seed + rank)
     model = DDP(policy) if args.world_size > 1 else policy  # DDP averages gradients over ranks
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     logger = Logger(run_dir, asdict(args), rank, args.track)

@@ -54,7 +54,8 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 
 def sft_batch(tokenizer, examples: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prompt + answer + EOS, left-padded; labels only on the answer and EOS."""
-    prompts = [tokenizer(format_prompt(tokenizer, e["prompt"], True), add_special_tokens=False).input_ids for e in examples]
+    prompts = [tokenizer(format_prompt(tokenizer, e["prompt"], True), add_special_tokens=False).input_ids
+               for e in examples]
     answers = [tokenizer(e["answer"] + tokenizer.eos_token, add_special_tokens=False).input_ids for e in examples]
     width = max(len(p) + len(a) for p, a in zip(prompts, answers))
     ids = torch.full((len(examples), width), tokenizer.pad_token_id)

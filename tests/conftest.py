@@ -11,7 +11,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def run(args: list[str], cwd: Path, torchrun: int = 0, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run a script of the repo (first arg) as a user would: `python x.py ...` or `torchrun --nproc_per_node=N x.py ...`."""
+    """Run a script of the repo (first arg) as a user would: `python x.py ...` or `torchrun ... x.py ...`."""
     script = str(ROOT / args[0]) if args[0].endswith(".py") else args[0]
     launcher = [sys.executable]
     if torchrun:

@@ -1,6 +1,7 @@
 """common.py: tokenizer, data, generation, log-probs and rewards."""
 
 import copy
+
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -142,7 +143,8 @@ def test_recomputed_logprobs_match_generate_logits_under_temperature(model, toke
 def naive_logprobs(model, ids, attention, P, T):
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=ids, attention_mask=attention, position_ids=position_ids).logits[:, P - 1 : -1]
-    return torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / T, -1).gather(-1, ids[:, P:, None]).squeeze(-1) * attention[:, P:]
+    logprobs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / T, -1)
+    return logprobs.gather(-1, ids[:, P:, None]).squeeze(-1) * attention[:, P:]
 
 
 def test_chunked_logprobs_and_gradients_equal_full_log_softmax(model, tokenizer):
@@ -230,7 +232,8 @@ def test_user_reward_fn(tmp_path):
         spec = f"{tmp_path / 'my_rewards.py'}:{name}"
         with pytest.raises(SystemExit, match=message):
             call_reward_fn(load_reward_fn(spec), spec, ["p", "p"], ["1", "2"], ["1", "1"])
-    for spec, message in [("no_such_module_xyz:f", "cannot import"), (f"{tmp_path / 'my_rewards.py'}:missing", "no function"),
-                          ("nocolon", "expected 'module:function'"), (f"{tmp_path / 'nofile.py'}:f", "cannot import")]:
+    for spec, message in [("no_such_module_xyz:f", "cannot import"), ("nocolon", "expected 'module:function'"),
+                          (f"{tmp_path / 'my_rewards.py'}:missing", "no function"),
+                          (f"{tmp_path / 'nofile.py'}:f", "cannot import")]:
         with pytest.raises(SystemExit, match=message):
             load_reward_fn(spec)
