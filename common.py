@@ -107,6 +107,12 @@ class Logger:
         self.wandb = self.tensorboard = None
         if not self.enabled:
             return
+        if track:
+            try:
+                import wandb
+            except ImportError:
+                raise fail("--track needs wandb: pip install wandb") from None
+            self.wandb = wandb.init(name=run_dir.name, config=config)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
         self.file = open(run_dir / "metrics.jsonl", "a")
@@ -116,12 +122,6 @@ class Logger:
             self.tensorboard = SummaryWriter(str(run_dir))
         except ImportError:
             pass
-        if track:
-            try:
-                import wandb
-            except ImportError:
-                raise fail("--track needs wandb: pip install wandb") from None
-            self.wandb = wandb.init(name=run_dir.name, config=config)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
