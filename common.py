@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 import transformers
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -80,6 +81,14 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     x = x.detach().clone()
     if dist.is_initialized():
         dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+def all_reduce_min(x: torch.Tensor) -> torch.Tensor:
+    """Minimum of a tensor over ranks (a copy; identity on one process)."""
+    x = x.detach().clone()
+    if dist.is_initialized():
+        dist.all_reduce(x, op=dist.ReduceOp.MIN)
     return x
 
 
@@ -143,6 +152,12 @@ class Logger:
                 self.tensorboard.close()
             if self.wandb:
                 self.wandb.finish()
+
+
+def mean_metrics(dicts: list[dict[str, float]]) -> dict[str, float]:
+    """Average each key over the dicts that have it (e.g. per-micro-batch metrics of a step)."""
+    keys = dict.fromkeys(key for d in dicts for key in d)
+    return {key: sum(d[key] for d in dicts if key in d) / sum(key in d for d in dicts) for key in keys}
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -307,6 +322,32 @@ class Rollout:
     truncated: torch.Tensor
 
 
+def cat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
+    """Stack rollouts (or parts of them) into one: prompts re-padded on the left to the widest prompt,
+    responses on the right to the longest response. Rows keep their order, so groups stay contiguous."""
+    P = max(r.prompt_length for r in rollouts)
+    L = max(r.response_mask.shape[1] for r in rollouts)
+
+    def pad(r: Rollout, x: torch.Tensor, value) -> torch.Tensor:  # (B, p+l) -> (B, P+L)
+        return F.pad(x, (P - r.prompt_length, L - (x.shape[1] - r.prompt_length)), value=value)
+
+    return Rollout(
+        input_ids=torch.cat([pad(r, r.input_ids, pad_token_id) for r in rollouts]),
+        attention_mask=torch.cat([pad(r, r.attention_mask, 0) for r in rollouts]),
+        response_mask=torch.cat([F.pad(r.response_mask, (0, L - r.response_mask.shape[1])) for r in rollouts]),
+        prompt_length=P,
+        texts=[t for r in rollouts for t in r.texts],
+        truncated=torch.cat([r.truncated for r in rollouts]),
+    )
+
+
+def select_rows(rollout: Rollout, rows: torch.Tensor) -> Rollout:
+    """The rollout restricted to `rows` (indices or a boolean mask over the B rows)."""
+    rows = (rows.nonzero().squeeze(-1) if rows.dtype == torch.bool else rows).to(rollout.input_ids.device)
+    return Rollout(rollout.input_ids[rows], rollout.attention_mask[rows], rollout.response_mask[rows],
+                   rollout.prompt_length, [rollout.texts[i] for i in rows.tolist()], rollout.truncated[rows])
+
+
 def eos_token_ids(model, tokenizer) -> list[int]:
     ids = model.generation_config.eos_token_id
     ids = [ids] if isinstance(ids, int) else list(ids or [])
@@ -397,7 +438,7 @@ def rollout_logprobs(model, rollout: Rollout, temperature: float, micro_batch_si
     """Log-probs (B, L) of a whole rollout's response tokens, `micro_batch_size` sequences at a time."""
     ids, mask, n = rollout.input_ids, rollout.attention_mask, micro_batch_size
     return torch.cat([get_logprobs(model, ids[i : i + n], mask[i : i + n], rollout.prompt_length, temperature)[0]
-                      for i in range(0, len(ids), n)])
+                      for i in range(0, len(ids), n)] or [rollout.response_mask.float()])  # (0, L) if empty
 
 
 # ---------------------------------------------------------------------------------------------

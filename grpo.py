@@ -49,6 +49,7 @@ from common import (
     load_model,
     load_reward_fn,
     load_tokenizer,
+    mean_metrics,
     peak_memory_gb,
     print0,
     prompt_batch,
@@ -274,7 +275,7 @@ def main(args: Args) -> None:
 
         # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
         with timed(times, "update"):
-            update_metrics, grad_norms = [], []
+            update_metrics = []
             for _ in range(args.updates_per_rollout):
                 b_order = torch.randperm(args.local_batch_size, device=device)
                 for start in range(0, args.local_batch_size, args.minibatch_size):
@@ -282,7 +283,7 @@ def main(args: Args) -> None:
                     # Sequences in this optimizer step over all ranks; computed once, before the micro-batches.
                     num_sequences = all_reduce_sum((b_response_mask[mb_idx].sum(-1) > 0).sum()).item()
                     num_sequences /= args.world_size  # DDP averages gradients over ranks: undo it
-                    micro_starts = range(0, args.minibatch_size, args.micro_batch_size)
+                    micro_starts = range(0, len(mb_idx), args.micro_batch_size)
                     for k, micro in enumerate(micro_starts):
                         idx = mb_idx[micro : micro + args.micro_batch_size]
                         last = k == len(micro_starts) - 1
@@ -304,10 +305,10 @@ def main(args: Args) -> None:
                                    "Try a lower --learning-rate, or check --reward-fn.")
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-                    grad_norms.append(grad_norm.item())
+                    update_metrics.append({"policy/grad_norm": grad_norm.item()})
 
         # 7. log, evaluate, checkpoint
-        lengths = b_response_mask.sum(-1)
+        lengths = rollout.response_mask.sum(-1)
         step_s = time.perf_counter() - step_start
         metrics.update({
             "reward/mean": rewards.mean().item(),
@@ -315,8 +316,7 @@ def main(args: Args) -> None:
             **{f"reward/{name}": value.mean().item() for name, value in components.items()},
             "response/length_mean": lengths.mean().item(),
             "response/truncated_frac": rollout.truncated.float().mean().item(),
-            **{key: sum(m[key] for m in update_metrics) / len(update_metrics) for key in update_metrics[0]},
-            "policy/grad_norm": sum(grad_norms) / len(grad_norms),
+            **mean_metrics(update_metrics),
             "perf/step_s": step_s,
             "perf/gen_s": times["gen"],
             "perf/logprobs_s": times["logprobs"],

@@ -10,6 +10,7 @@ from common import (
     DEFAULT_MODEL,
     builtin_splits,
     call_reward_fn,
+    cat_rollouts,
     extract_answer,
     format_prompt,
     generate,
@@ -21,6 +22,7 @@ from common import (
     math_equal,
     prompt_batch,
     score,
+    select_rows,
 )
 
 
@@ -237,3 +239,21 @@ def test_user_reward_fn(tmp_path):
                           (f"{tmp_path / 'nofile.py'}:f", "cannot import")]:
         with pytest.raises(SystemExit, match=message):
             load_reward_fn(spec)
+
+
+def test_cat_and_select_rollouts_keep_rows_and_logprobs(model, tokenizer):
+    torch.manual_seed(0)
+    a = generate(model, tokenizer, [format_prompt(tokenizer, "1+2", True)], 2, 6, 1.0)
+    b = generate(model, tokenizer, [format_prompt(tokenizer, p, True) for p in ("45+67", "9+99")], 2, 3, 1.0)
+    both = cat_rollouts([a, b], tokenizer.pad_token_id)
+    assert both.prompt_length == b.prompt_length > a.prompt_length
+    assert both.texts == a.texts + b.texts and both.truncated.tolist() == a.truncated.tolist() + b.truncated.tolist()
+    lp_both, _ = get_logprobs(model, both.input_ids, both.attention_mask, both.prompt_length, 1.0)
+    for part, rows in [(a, slice(0, 2)), (b, slice(2, 6))]:
+        lp, _ = get_logprobs(model, part.input_ids, part.attention_mask, part.prompt_length, 1.0)
+        L = lp.shape[1]
+        torch.testing.assert_close(lp_both[rows, :L], lp, atol=1e-5, rtol=0)  # re-padding changes nothing
+        assert not lp_both[rows, L:].any() and not both.response_mask[rows, L:].any()
+    picked = select_rows(both, torch.tensor([False, True, False, False, True, False]))
+    assert picked.texts == [both.texts[1], both.texts[4]]
+    assert torch.equal(picked.input_ids, both.input_ids[[1, 4]])
