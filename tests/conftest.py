@@ -8,6 +8,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
 
 
 def run(args: list[str], cwd: Path, torchrun: int = 0, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -25,10 +26,37 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+ALGORITHMS = ["grpo", "dapo"]  # every algorithm file; the shared tests run on each
+
+
 @pytest.fixture
 def fixed_length_dataset(tmp_path: Path) -> Path:
-    """Two-digit additions: every prompt has the same token length, so per-prompt rollouts stack."""
+    """Two-digit additions: every prompt has the same token length."""
     path = tmp_path / "train.jsonl"
     rows = [{"prompt": f"{a}+{b}", "answer": str(a + b)} for a in range(10, 100, 7) for b in range(10, 100, 9)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="session")
+def mixed_dataset(tmp_path_factory) -> Path:
+    """Prompts whose 4 pinned completions (tests/pinned_run.py) under the default model are partly right
+    and partly wrong: no group carries zero signal, so DAPO's dynamic sampling keeps every group of the
+    first round and 1 process, 2 ranks and k micro-batches train on the very same batch."""
+    import torch
+    from pinned_run import pinned_generate
+
+    from common import DEFAULT_MODEL, correctness_reward, format_prompt, load_model, load_tokenizer
+
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    model = load_model(DEFAULT_MODEL, "float32", torch.device("cpu"), tokenizer)
+    rows = []
+    for a in range(10, 100, 3):
+        for b in range(10, 100, 11):
+            texts = pinned_generate(model, tokenizer, [format_prompt(tokenizer, f"{a}+{b}", True)], 4, 8, 1.0).texts
+            if 0 < correctness_reward(texts, [str(a + b)] * 4, exact=False).sum() < 4:
+                rows.append({"prompt": f"{a}+{b}", "answer": str(a + b)})
+    assert len(rows) >= 40, len(rows)
+    path = tmp_path_factory.mktemp("data") / "mixed.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

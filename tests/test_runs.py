@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 import grpo
-from conftest import read_metrics, run
+from conftest import ALGORITHMS, read_metrics, run
 
 FAST = ["--num-steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0"]
 
@@ -40,9 +40,9 @@ def test_torchrun_two_ranks_smoke(tmp_path):
     assert result.stdout.count("step    1 |") == 1  # rank 0 logs, rank 1 is quiet
 
 
-def one_step(tmp_path: Path, name: str, dataset: Path, extra: list[str], torchrun: int = 0) -> tuple[dict, dict]:
+def one_step(tmp_path: Path, algo: str, name: str, dataset: Path, extra: list[str], torchrun: int = 0):
     """One rollout (2 optimizer updates) with sampling pinned per prompt; returns (new weights, metrics)."""
-    args = ["tests/pinned_run.py", "grpo", "--dataset", str(dataset), "--eval-size", "4", "--num-steps", "1",
+    args = ["tests/pinned_run.py", algo, "--dataset", str(dataset), "--eval-size", "4", "--num-steps", "1",
             "--prompts-per-step", "8", "--group-size", "4", "--eval-every", "0", "--output-dir", str(tmp_path),
             "--run-name", name, "--learning-rate", "1e-3", *extra]
     result = run(args, cwd=Path(__file__).parent.parent, torchrun=torchrun)
@@ -54,18 +54,21 @@ def max_relative_difference(a: dict, b: dict) -> float:
     return max(((a[k] - b[k]).norm() / a[k].norm()).item() for k in a)
 
 
-def test_two_ranks_and_micro_batches_give_the_same_update(tmp_path, fixed_length_dataset):
+@pytest.mark.parametrize("algo", ALGORITHMS)
+def test_two_ranks_and_micro_batches_give_the_same_update(tmp_path, mixed_dataset, algo):
     """The same global batch gives the same new weights with 1 process, 2 DDP ranks, or 4 micro-batches
-    (relative difference <= 1e-5), and the same gradient norm (which Adam's scale invariance would hide)."""
+    (relative difference <= 1e-5), and the same gradient norm (which Adam's scale invariance would hide:
+    a normaliser off by a constant factor changes the gradient norm, not Adam's step)."""
     initial = load_file(Path(grpo.DEFAULT_MODEL) / "model.safetensors")
-    base, base_m = one_step(tmp_path, "one", fixed_length_dataset, ["--micro-batch-size", "32"])
+    base, base_m = one_step(tmp_path, algo, "one", mixed_dataset, ["--micro-batch-size", "32"])
     assert max_relative_difference(initial, base) > 1e-3  # the step really moved the weights
+    assert base_m.get("algo/kept_groups_frac", 1.0) == 1.0  # every group of the batch is trained on
     for name, extra, torchrun in [("ddp", ["--micro-batch-size", "16"], 2), ("micro", ["--micro-batch-size", "8"], 0)]:
-        new, m = one_step(tmp_path, name, fixed_length_dataset, extra, torchrun)
+        new, m = one_step(tmp_path, algo, name, mixed_dataset, extra, torchrun)
         assert max_relative_difference(base, new) <= 1e-5, name
         assert m["policy/grad_norm"] == pytest.approx(base_m["policy/grad_norm"], rel=1e-5), name
         assert m["reward/mean"] == base_m["reward/mean"]  # the same completions
-        assert m["loss/policy"] == pytest.approx(base_m["loss/policy"], abs=1e-6)
+        # (loss/policy is a mean of micro-batch means: for token-mean losses it depends on the split)
 
 
 # --- bad input: one clear message, before any training work, nothing written ---------------------
@@ -148,11 +151,12 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monk
 # --- learning -----------------------------------------------------------------------------------
 
 
-def test_grpo_learns_the_default_task(tmp_path):
-    """50 steps on the default model and task lift held-out sampled accuracy from ~0.39 to ~0.6.
+@pytest.mark.parametrize("algo", ALGORITHMS)
+def test_learns_the_default_task(tmp_path, algo):
+    """50 steps on the default model and task lift held-out sampled accuracy from ~0.39 to 0.6-0.7.
     Each evaluation scores 500 prompts once: its standard error is about 0.022, so the difference of
     two has ~0.031; a rise of 0.12 is about 4 of those, far outside evaluation noise."""
-    result = run(["grpo.py", "--num-steps", "50", "--eval-every", "50", "--output-dir", str(tmp_path),
+    result = run([f"{algo}.py", "--num-steps", "50", "--eval-every", "50", "--output-dir", str(tmp_path),
                   "--run-name", "learn", "--seed", "1"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     evals = [m for m in read_metrics(tmp_path / "learn") if "eval/accuracy" in m]
