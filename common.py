@@ -68,6 +68,7 @@ def setup_distributed() -> tuple[int, int, torch.device]:
 
 def cleanup_distributed() -> None:
     if dist.is_initialized():
+        dist.barrier()  # rank 0 may still be writing the checkpoint; tearing gloo down under it can abort
         dist.destroy_process_group()
 
 

@@ -8,7 +8,7 @@ over sequences ("token-level loss"); and completions that run into the length li
 softly ("overlong reward shaping"). The correctness reward is +1 / -1, as in the paper.
 
 Paper: Yu et al., "DAPO: An Open-Source LLM Reinforcement Learning System at Scale",
-arXiv:2503.14476 (2025), Eq. 8-13.
+arXiv:2503.14476 (2025); the soft overlong punishment is its Eq. 13.
 
 Objective (maximised; r = pi_theta / pi_old per token, A_i = (R_i - mean R) / (std R + eps)):
     J = 1/sum_i |o_i| sum_i sum_t min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i)
@@ -247,6 +247,9 @@ def main(args: Args) -> None:
     exact = args.dataset is None  # the built-in task's answers are compared as whole strings
     reward_fn = load_reward_fn(args.reward_fn, train_set[:2]) if args.reward_fn else None
 
+    if not 0 < args.overlong_buffer <= args.max_new_tokens:
+        raise fail(f"--overlong-buffer {args.overlong_buffer} must be between 1 and --max-new-tokens "
+                   f"({args.max_new_tokens}): the penalty ramps over the last --overlong-buffer tokens.")
     # Same seed on every rank while loading, so any newly initialised weights (an added pad token's
     # embedding) are identical; then seed + rank, or every rank would sample the same completions.
     torch.manual_seed(args.seed)
@@ -342,7 +345,7 @@ def main(args: Args) -> None:
                                 args.clip_eps_low, args.clip_eps_high)
                             loss.backward()
                         mb_metrics["policy/entropy"] = ((entropy * b_response_mask[idx]).sum() /
-                                                        b_response_mask[idx].sum()).item()
+                                                        b_response_mask[idx].sum().clamp(min=1)).item()
                         update_metrics.append(mb_metrics)
                     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                     if not torch.isfinite(grad_norm):  # same value on every rank: gradients are synced

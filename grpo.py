@@ -296,7 +296,7 @@ def main(args: Args) -> None:
                                 b_advantages[idx], b_response_mask[idx], num_sequences, args.clip_eps, args.beta)
                             loss.backward()
                         mb_metrics["policy/entropy"] = ((entropy * b_response_mask[idx]).sum() /
-                                                        b_response_mask[idx].sum()).item()
+                                                        b_response_mask[idx].sum().clamp(min=1)).item()
                         update_metrics.append(mb_metrics)
                     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                     if not torch.isfinite(grad_norm):  # same value on every rank: gradients are synced

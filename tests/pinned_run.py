@@ -11,12 +11,14 @@ micro-batches; everything after generation is the file's own code.
 import importlib
 import sys
 import zlib
+from pathlib import Path
 
 import torch
 import tyro
 
-from common import cat_rollouts
-from common import generate as real_generate
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the algorithm files and common.py
+from common import cat_rollouts  # noqa: E402
+from common import generate as real_generate  # noqa: E402
 
 
 def pinned_generate(model, tokenizer, prompts, group_size, max_new_tokens, temperature, greedy=False):

@@ -140,3 +140,10 @@ def test_two_ranks_keeping_different_numbers_of_groups_do_not_hang(tmp_path):
                   "--run-name", "ranks", "--seed", "1"], cwd=tmp_path, torchrun=2, timeout=300)
     assert result.returncode == 0, result.stderr
     assert read_metrics(tmp_path / "ranks")[0]["algo/gen_rounds"] >= 2
+
+
+@pytest.mark.parametrize("buffer", [0, 9])
+def test_bad_overlong_buffer(tmp_path, buffer):
+    with pytest.raises(SystemExit, match=f"--overlong-buffer {buffer} must be between 1 and --max-new-tokens"):
+        dapo.main(dapo.Args(overlong_buffer=buffer, output_dir=str(tmp_path)))
+    assert not list(tmp_path.iterdir())

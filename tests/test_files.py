@@ -35,7 +35,7 @@ def changes_outside_regions(base: list[str], other: list[str]) -> list[str]:
     for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, base, other, autojunk=False).get_opcodes():
         if tag == "equal":
             continue
-        inside = any(start < i1 <= stop if tag == "insert" else start <= i1 and i2 <= stop for start, stop in spans)
+        inside = any(start <= i1 and i2 <= stop for start, stop in spans)
         if not inside:
             outside.append(f"grpo.py:{i1 + 1}-{i2} -> {''.join(other[j1:j2]) or '(deleted)'}")
     return outside
