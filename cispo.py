@@ -1,0 +1,343 @@
+"""CISPO: Clipped IS-weight Policy Optimization, from MiniMax-M1.
+
+GRPO's group-relative advantage with a REINFORCE-style loss: each token's log-probability is
+weighted by its advantage and by its importance-sampling weight r = pi_theta / pi_old, and it is the
+*weight* that is clipped and detached, not the update. PPO, GRPO and DAPO drop the gradient of a
+token once its ratio leaves the trust region; in long reasoning those are often rare "fork" tokens
+(however, wait, recheck) that are updated a few times and then silenced. CISPO keeps every token's
+gradient, with a bounded weight. It differs from GRPO only off-policy (r != 1), so the default
+takes 2 updates per rollout.
+
+Paper: MiniMax, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention",
+arXiv:2506.13585 (2025), section 3.1.
+
+Objective (maximised; A_i = (R_i - mean R) / (std R + eps), sg = stop-gradient):
+    J = 1/sum_i |o_i| sum_i sum_t sg(clip(r_it, 1 - eps_low_IS, 1 + eps_high_IS)) A_i log pi_theta(o_it)
+    gradient per token: clip(r_it, ...) A_i grad log pi_theta(o_it), never zero unless A_i = 0
+
+The clip bound, as three codebases write it (they disagree; compare before copying a number):
+    here (the paper's form): weight <= 1 + eps_high_IS; default eps_high_IS = 4.0, i.e. weight <= 5,
+        TRL's ScaleRL recipe value; no lower bound (the paper tunes only the upper one)
+    TRL (loss_type="cispo"): an absolute cap `epsilon_high` on the weight: 5.0 there = 4.0 here
+    verl (clip_ratio_low/high): weight in [1 - low, 1 + high]; its example's low=10, high=0.2 means
+        no floor and weight <= 1.2, i.e. --is-eps-high 0.2 here
+
+Differences from grpo.py:
+- Loss: -sg(clip(r)) * A * log pi_theta instead of PPO's clipped surrogate; clipped tokens keep a gradient.
+- Token-level loss: summed over tokens, divided by the step's token count (all micro-batches and
+  ranks), instead of a mean per sequence then over sequences.
+- No KL term and no reference model.
+
+Run:
+    python cispo.py                                         # offline default: tiny model, a+b task, CPU
+    torchrun --standalone --nproc_per_node=2 cispo.py       # data-parallel (gloo on CPU, nccl on GPU)
+    torchrun --standalone --nproc_per_node=8 cispo.py --model Qwen/Qwen2.5-0.5B-Instruct \\
+        --dataset train.jsonl --max-new-tokens 512 --learning-rate 1e-6 --micro-batch-size 16
+"""
+
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+import tyro
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from common import (
+    DEFAULT_MODEL,
+    Logger,
+    all_reduce_mean,
+    all_reduce_sum,
+    cleanup_distributed,
+    evaluate,
+    exact_div,
+    fail,
+    format_prompt,
+    generate,
+    get_logprobs,
+    load_data,
+    load_model,
+    load_reward_fn,
+    load_tokenizer,
+    mean_metrics,
+    peak_memory_gb,
+    print0,
+    prompt_batch,
+    rollout_logprobs,
+    save_checkpoint,
+    score,
+    setup_distributed,
+    timed,
+)
+
+# ---------------------------------------------------------------------------------------------
+# 1. Config
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Args:
+    # Experiment
+    seed: int = 1
+    """seed of the data order, the sampling and evaluation"""
+    run_name: Optional[str] = None
+    """metrics and checkpoints go to <output-dir>/<run-name> (default: <file>__<seed>__<unix time>)"""
+    output_dir: str = "runs"
+    """folder of all runs"""
+    track: bool = False
+    """log to Weights & Biases (pip install wandb)"""
+    eval_every: int = 20
+    """evaluate on the held-out split every N steps, and at the end (0: never)"""
+    save_every: int = 0
+    """save a checkpoint every N steps (0: only at the end)"""
+
+    # Model & data
+    model: str = DEFAULT_MODEL
+    """Hugging Face model name or local folder"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """weights dtype; auto = float32 on CPU, bfloat16 on GPU (log-probs are always computed in float32)"""
+    dataset: Optional[str] = None
+    """JSONL file with "prompt" and "answer" fields (default: the built-in a+b task)"""
+    eval_dataset: Optional[str] = None
+    """held-out JSONL file (default: the last --eval-size rows of --dataset)"""
+    eval_size: int = 500
+    """held-out prompts taken from the built-in task or --dataset when there is no --eval-dataset"""
+    chat_template: bool = True
+    """wrap prompts in the tokenizer's chat template, when it has one"""
+    format_weight: float = 0.0
+    """weight of the format reward (answer as a bare number / in \\boxed{}) added to correctness"""
+    reward_fn: Optional[str] = None
+    """extra reward 'module:function' or 'file.py:function', called as fn(prompts, completions, answers)"""
+
+    # Rollout
+    num_steps: int = 200
+    """training steps; each samples one rollout and takes updates-per-rollout x num-minibatches optimizer steps"""
+    prompts_per_step: int = 32
+    """prompts per rollout, over all ranks"""
+    group_size: int = 8
+    """G: completions sampled per prompt"""
+    max_new_tokens: int = 8
+    """generation limit per completion; a completion that reaches it without EOS is 'truncated'"""
+    temperature: float = 1.0
+    """sampling temperature; log-probs divide the logits by it too"""
+
+    # Optimization
+    learning_rate: float = 2e-4
+    """tuned for the tiny default model; 1e-6 is the paper's value for 7B models"""
+    updates_per_rollout: int = 2
+    """mu: passes over each rollout (1 makes the ratio exactly 1 and clipping inactive)"""
+    num_minibatches: int = 1
+    """optimizer steps per pass over the rollout"""
+    micro_batch_size: Optional[int] = None
+    """sequences per forward/backward on each rank, accumulated up to the minibatch (default: the whole minibatch)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping (verl and the DAPO script use 1.0)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+
+    # Algorithm
+    is_eps_high: float = 4.0
+    """the IS weight is clipped at 1 + is_eps_high (the paper's form; 4.0 = TRL's ScaleRL cap of 5.0)"""
+    is_eps_low: Optional[float] = None
+    """the IS weight is floored at 1 - is_eps_low (default: no floor, as in the paper)"""
+    std_eps: float = 1e-6
+    """added to the group std before dividing (verl's value)"""
+
+    # Computed at runtime
+    world_size: tyro.conf.Suppress[int] = 1
+    local_prompts_per_step: tyro.conf.Suppress[int] = 0
+    local_batch_size: tyro.conf.Suppress[int] = 0
+    minibatch_size: tyro.conf.Suppress[int] = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Algorithm
+# ---------------------------------------------------------------------------------------------
+
+
+def compute_advantages(rewards: torch.Tensor, group_size: int, std_eps: float = 1e-6) -> torch.Tensor:
+    """Group-relative advantage: (R_i - mean_G R) / (std_G R + eps), with the unbiased std.
+
+    rewards: (B,) with the G completions of each prompt stored contiguously -> advantages (B,).
+    A group whose rewards are all equal gets advantage 0 for every member."""
+    grouped = rewards.view(-1, group_size)  # (B/G, G)
+    mean = grouped.mean(dim=1, keepdim=True)
+    std = grouped.std(dim=1, keepdim=True)  # unbiased (1/(G-1)), as verl and TRL
+    return ((grouped - mean) / (std + std_eps)).view(-1)
+
+
+def compute_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    num_tokens: float,
+    is_eps_high: float = 4.0,
+    is_eps_low: Optional[float] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO loss (minimised): -sg(clip(r, 1 - is_eps_low, 1 + is_eps_high)) * A * log pi_theta, summed
+    over tokens and divided by `num_tokens` (token-mean). The clipped weight is detached: the gradient
+    flows through log pi_theta only, so it is clip(r) * A * grad log pi_theta for every token.
+
+    logprobs, old_logprobs, response_mask: (B, T); advantages: (B,).
+    num_tokens: the number of response tokens in the whole optimizer step (every micro-batch, every
+    rank), so that micro-batch losses add up to the step's mean; computed once by the caller."""
+    ratio = torch.exp(logprobs - old_logprobs)  # (B, T); exactly 1 on the first update of a rollout
+    adv = advantages.unsqueeze(-1)  # (B, 1): one advantage for every token of a completion
+    floor = None if is_eps_low is None else 1 - is_eps_low
+    weight = torch.clamp(ratio, floor, 1 + is_eps_high).detach()  # (B, T) the clipped IS weight, no gradient
+    pg_losses = -weight * adv * logprobs  # (B, T)
+    loss = (pg_losses * response_mask).sum() / num_tokens
+
+    with torch.no_grad():
+        n = response_mask.sum().clamp(min=1)
+        clipped = (weight != ratio).float()
+        metrics = {
+            "loss/policy": ((pg_losses * response_mask).sum() / n).item(),
+            "algo/is_weight_clipfrac": ((clipped * response_mask).sum() / n).item(),
+            "algo/is_weight_mean": ((weight * response_mask).sum() / n).item(),
+            "policy/approx_kl": (((ratio - 1) - torch.log(ratio)) * response_mask).sum().item() / n.item(),
+        }
+    return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Training
+# ---------------------------------------------------------------------------------------------
+
+
+def main(args: Args) -> None:
+    rank, args.world_size, device = setup_distributed()
+    if args.group_size < 2:
+        raise fail(f"--group-size {args.group_size}: group advantages need at least 2 completions per prompt.")
+    args.local_prompts_per_step = exact_div(
+        args.prompts_per_step, args.world_size, "--prompts-per-step must be divisible by the number of ranks")
+    args.local_batch_size = args.local_prompts_per_step * args.group_size
+    args.minibatch_size = exact_div(
+        args.local_batch_size, args.num_minibatches,
+        "--num-minibatches must divide the sequences per rank (--prompts-per-step / ranks * --group-size)")
+    args.micro_batch_size = args.micro_batch_size or args.minibatch_size
+    exact_div(args.minibatch_size, args.micro_batch_size,
+              "--micro-batch-size must divide the sequences per rank and minibatch")
+    run_name = args.run_name or f"{Path(__file__).stem}__{args.seed}__{int(time.time())}"
+    run_dir = Path(args.output_dir) / run_name
+
+    # Data and the user reward are checked before any model is loaded, so bad input fails fast.
+    train_set, eval_set = load_data(args.dataset, args.eval_dataset, args.eval_size)
+    exact = args.dataset is None  # the built-in task's answers are compared as whole strings
+    reward_fn = load_reward_fn(args.reward_fn, train_set[:2]) if args.reward_fn else None
+
+    # Same seed on every rank while loading, so any newly initialised weights (an added pad token's
+    # embedding) are identical; then seed + rank, or every rank would sample the same completions.
+    torch.manual_seed(args.seed)
+    tokenizer = load_tokenizer(args.model)
+    policy = load_model(args.model, args.dtype, device, tokenizer)
+    torch.manual_seed(args.seed + rank)
+    model = DDP(policy) if args.world_size > 1 else policy  # DDP averages gradients over ranks
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    logger = Logger(run_dir, asdict(args), rank, args.track)
+    print0(f"{args.prompts_per_step} prompts x {args.group_size} completions = "
+           f"{args.prompts_per_step * args.group_size} sequences per step on {args.world_size} rank(s), "
+           f"up to {args.prompts_per_step * args.group_size * args.max_new_tokens} response tokens; "
+           f"{args.updates_per_rollout * args.num_minibatches} optimizer steps per rollout")
+    last_checkpoint = None
+
+    for step in range(args.num_steps):
+        step_start, times, metrics = time.perf_counter(), {}, {}
+        if args.eval_every and step % args.eval_every == 0:
+            metrics.update(evaluate(policy, tokenizer, eval_set, args.chat_template, exact, args.max_new_tokens,
+                                    rank, args.world_size, args.seed))
+
+        # 1. sample prompts: this rank's slice of the step's global batch
+        batch = prompt_batch(train_set, step, args.prompts_per_step, rank, args.world_size, args.seed)
+        prompts = [format_prompt(tokenizer, e["prompt"], args.chat_template) for e in batch]
+
+        # 2. generate G completions per prompt, stored contiguously by group
+        with timed(times, "gen"):
+            rollout = generate(policy, tokenizer, prompts, args.group_size, args.max_new_tokens, args.temperature)
+        b_ids, b_attention_mask, b_response_mask = rollout.input_ids, rollout.attention_mask, rollout.response_mask
+
+        # 3. score
+        answers = [e["answer"] for e in batch for _ in range(args.group_size)]
+        group_prompts = [e["prompt"] for e in batch for _ in range(args.group_size)]
+        rewards, components = score(group_prompts, rollout.texts, answers, exact, args.format_weight,
+                                    reward_fn, args.reward_fn)
+
+        # 4. advantages
+        b_advantages = compute_advantages(rewards, args.group_size, args.std_eps).to(device)  # (B,)
+
+        # 5. old log-probs (no grad), recomputed by the training model: the ratio starts at exactly 1
+        with timed(times, "logprobs"):
+            b_old_logprobs = rollout_logprobs(model, rollout, args.temperature, args.micro_batch_size)  # (B, T)
+
+        # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
+        with timed(times, "update"):
+            update_metrics = []
+            for _ in range(args.updates_per_rollout):
+                b_order = torch.randperm(args.local_batch_size, device=device)
+                for start in range(0, args.local_batch_size, args.minibatch_size):
+                    mb_idx = b_order[start : start + args.minibatch_size]
+                    # Response tokens in this optimizer step over all ranks; computed once, before the micro-batches.
+                    num_tokens = max(all_reduce_sum(b_response_mask[mb_idx].sum()).item(), 1.0)
+                    num_tokens /= args.world_size  # DDP averages gradients over ranks: undo it
+                    micro_starts = range(0, len(mb_idx), args.micro_batch_size)
+                    for k, micro in enumerate(micro_starts):
+                        idx = mb_idx[micro : micro + args.micro_batch_size]
+                        last = k == len(micro_starts) - 1
+                        # Sync gradients over ranks once per optimizer step, on the last micro-batch.
+                        with model.no_sync() if args.world_size > 1 and not last else nullcontext():
+                            logprobs, entropy = get_logprobs(model, b_ids[idx], b_attention_mask[idx],
+                                                             rollout.prompt_length, args.temperature)
+                            loss, mb_metrics = compute_loss(
+                                logprobs, b_old_logprobs[idx], b_advantages[idx], b_response_mask[idx], num_tokens,
+                                args.is_eps_high, args.is_eps_low)
+                            loss.backward()
+                        mb_metrics["policy/entropy"] = ((entropy * b_response_mask[idx]).sum() /
+                                                        b_response_mask[idx].sum().clamp(min=1)).item()
+                        update_metrics.append(mb_metrics)
+                    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                    if not torch.isfinite(grad_norm):  # same value on every rank: gradients are synced
+                        raise fail(f"step {step}: non-finite gradient norm ({grad_norm.item()}); stopped before "
+                                   f"the optimizer step. Last checkpoint: {last_checkpoint or 'none'}. "
+                                   "Try a lower --learning-rate, or check --reward-fn.")
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    update_metrics.append({"policy/grad_norm": grad_norm.item()})
+
+        # 7. log, evaluate, checkpoint
+        lengths = rollout.response_mask.sum(-1)
+        step_s = time.perf_counter() - step_start
+        metrics.update({
+            "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std().item(),
+            **{f"reward/{name}": value.mean().item() for name, value in components.items()},
+            "response/length_mean": lengths.mean().item(),
+            "response/truncated_frac": rollout.truncated.float().mean().item(),
+            **mean_metrics(update_metrics),
+            "perf/step_s": step_s,
+            "perf/gen_s": times["gen"],
+            "perf/logprobs_s": times["logprobs"],
+            "perf/update_s": times["update"],
+            "perf/tokens_per_s": lengths.sum().item() * args.world_size / step_s,
+            "perf/peak_mem_gb": peak_memory_gb(device),
+        })
+        logger.log(step, all_reduce_mean(metrics, device))
+        if args.save_every and (step + 1) % args.save_every == 0:
+            last_checkpoint = run_dir / f"step_{step + 1}"
+            if rank == 0:
+                save_checkpoint(policy, tokenizer, last_checkpoint)
+
+    if args.eval_every:
+        logger.log(args.num_steps, evaluate(policy, tokenizer, eval_set, args.chat_template, exact,
+                                            args.max_new_tokens, rank, args.world_size, args.seed))
+    if rank == 0:
+        save_checkpoint(policy, tokenizer, run_dir / "final")
+    print0(f"done: {run_dir / 'final'}")
+    logger.close()
+    cleanup_distributed()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
