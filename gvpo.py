@@ -1,0 +1,351 @@
+"""GVPO: Group Variance Policy Optimization.
+
+For each prompt's group of k completions, GVPO regresses the implicit reward of each completion,
+beta * (log pi_theta(y_i) - log pi_theta'(y_i)) (sequence log-prob sums, against the anchor
+pi_theta' = the policy at the start of the step), onto its reward, both centred within the group:
+an MSE whose minimiser is the KL-regularised optimum pi* ~ pi_theta' exp(R / beta). Its gradient is
+a policy gradient with weights w_i = b_i - beta (a_i - mean a): centred reward minus how far the
+policy already moved, so no clipping, no importance ratio and no std normalisation are needed.
+Because that optimum does not depend on who sampled the completions, GVPO can also train on
+completions the current policy did not sample: --reuse-steps K replays the groups of the last K
+steps, their a_i always measured against the current anchor.
+
+Paper: Zhang et al., "GVPO: Group Variance Policy Optimization for Large Language Model
+Post-Training", arXiv:2504.19599 (2025); the loss follows the authors' verl recipe (gvpo/).
+
+Objective (minimised), per group of k completions with rewards R_i:
+    a_i = sum_t log pi_theta(y_it) - sum_t log pi_theta'(y_it)     (sequence sums)
+    b_i = R_i - mean(R)                                            (never divided by the std)
+    L = mean over groups of 1/(k-1) sum_i 1/2 (beta (a_i - mean a) - b_i)^2
+    grad L = -beta/(k-1) sum_i w_i grad log pi_theta(y_i),  w_i = b_i - beta (a_i - mean a)
+The MSE's gradient is beta times the weighted log-likelihood form (the sum over i of the centred
+terms vanishes), so detaching mean(a) changes nothing. beta = 0.1 is the official code's value;
+the paper's own value is unverified.
+
+Differences from grpo.py:
+- Advantage: the centred reward R_i - mean R (no std); the loss is the group MSE above, with no
+  clipping, no ratio, no KL term and no reference model (the anchor is the step's starting policy).
+- Aggregation: per group, 1/(k-1) sum over its completions of whole-sequence terms, mean over groups;
+  micro-batches and minibatches hold whole groups (sizes must be multiples of --group-size).
+- --reuse-steps K: train on the fresh groups plus those of the previous K steps (default 0).
+
+Run:
+    python gvpo.py                                          # offline default: tiny model, a+b task, CPU
+    torchrun --standalone --nproc_per_node=2 gvpo.py        # data-parallel (gloo on CPU, nccl on GPU)
+    torchrun --standalone --nproc_per_node=8 gvpo.py --model Qwen/Qwen2.5-0.5B-Instruct \\
+        --dataset train.jsonl --max-new-tokens 512 --learning-rate 1e-6 --micro-batch-size 16
+"""
+
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+import tyro
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from common import (
+    DEFAULT_MODEL,
+    Logger,
+    all_reduce_mean,
+    all_reduce_sum,
+    cat_rollouts,
+    cleanup_distributed,
+    evaluate,
+    exact_div,
+    fail,
+    format_prompt,
+    generate,
+    get_logprobs,
+    load_data,
+    load_model,
+    load_reward_fn,
+    load_tokenizer,
+    mean_metrics,
+    peak_memory_gb,
+    print0,
+    prompt_batch,
+    rollout_logprobs,
+    save_checkpoint,
+    score,
+    setup_distributed,
+    timed,
+)
+
+# ---------------------------------------------------------------------------------------------
+# 1. Config
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Args:
+    # Experiment
+    seed: int = 1
+    """seed of the data order, the sampling and evaluation"""
+    run_name: Optional[str] = None
+    """metrics and checkpoints go to <output-dir>/<run-name> (default: <file>__<seed>__<unix time>)"""
+    output_dir: str = "runs"
+    """folder of all runs"""
+    track: bool = False
+    """log to Weights & Biases (pip install wandb)"""
+    eval_every: int = 20
+    """evaluate on the held-out split every N steps, and at the end (0: never)"""
+    save_every: int = 0
+    """save a checkpoint every N steps (0: only at the end)"""
+
+    # Model & data
+    model: str = DEFAULT_MODEL
+    """Hugging Face model name or local folder"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """weights dtype; auto = float32 on CPU, bfloat16 on GPU (log-probs are always computed in float32)"""
+    dataset: Optional[str] = None
+    """JSONL file with "prompt" and "answer" fields (default: the built-in a+b task)"""
+    eval_dataset: Optional[str] = None
+    """held-out JSONL file (default: the last --eval-size rows of --dataset)"""
+    eval_size: int = 500
+    """held-out prompts taken from the built-in task or --dataset when there is no --eval-dataset"""
+    chat_template: bool = True
+    """wrap prompts in the tokenizer's chat template, when it has one"""
+    format_weight: float = 0.0
+    """weight of the format reward (answer as a bare number / in \\boxed{}) added to correctness"""
+    reward_fn: Optional[str] = None
+    """extra reward 'module:function' or 'file.py:function', called as fn(prompts, completions, answers)"""
+
+    # Rollout
+    num_steps: int = 200
+    """training steps; each samples one rollout and takes updates-per-rollout x num-minibatches optimizer steps"""
+    prompts_per_step: int = 32
+    """prompts per rollout, over all ranks"""
+    group_size: int = 8
+    """G: completions sampled per prompt"""
+    max_new_tokens: int = 8
+    """generation limit per completion; a completion that reaches it without EOS is 'truncated'"""
+    temperature: float = 1.0
+    """sampling temperature; log-probs divide the logits by it too"""
+
+    # Optimization
+    learning_rate: float = 2e-4
+    """tuned for the tiny default model; 1e-6 is the paper's value for 7B models"""
+    updates_per_rollout: int = 2
+    """mu: passes over each rollout (1 makes the ratio exactly 1 and clipping inactive)"""
+    num_minibatches: int = 1
+    """optimizer steps per pass over the rollout"""
+    micro_batch_size: Optional[int] = None
+    """sequences per forward/backward on each rank, accumulated up to the minibatch (default: the whole minibatch)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping (verl and the DAPO script use 1.0)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+
+    # Algorithm
+    beta: float = 0.1
+    """KL strength toward the anchor; implicit reward beta * (log pi_theta - log pi_theta') (official code: 0.1)"""
+    reuse_steps: int = 0
+    """also train on the groups sampled in the previous K steps (0: on-policy only)"""
+
+    # Computed at runtime
+    world_size: tyro.conf.Suppress[int] = 1
+    local_prompts_per_step: tyro.conf.Suppress[int] = 0
+    local_batch_size: tyro.conf.Suppress[int] = 0
+    minibatch_size: tyro.conf.Suppress[int] = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Algorithm
+# ---------------------------------------------------------------------------------------------
+
+
+def compute_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Centred rewards b_i = R_i - mean_G R, never divided by the std (that would change beta per prompt).
+
+    rewards: (B,) with the k completions of each prompt stored contiguously -> b (B,)."""
+    grouped = rewards.view(-1, group_size)  # (B/k, k)
+    return (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)
+
+
+def compute_loss(
+    logprobs: torch.Tensor,
+    anchor_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    num_groups: float,
+    group_size: int,
+    beta: float = 0.1,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GVPO loss (minimised): per group, 1/(k-1) sum_i 1/2 (beta (a_i - mean a) - b_i)^2, summed over the
+    groups here and divided by `num_groups`.
+
+    logprobs, anchor_logprobs, response_mask: (B, T), whole groups of k = group_size contiguous rows;
+    advantages: (B,) the centred rewards b. num_groups: the number of groups in the whole optimizer
+    step (every micro-batch, every rank); computed once by the caller."""
+    a = ((logprobs - anchor_logprobs) * response_mask).sum(-1).view(-1, group_size)  # (B/k, k) log-ratio sums
+    b = advantages.view(-1, group_size)  # (B/k, k)
+    e = beta * (a - a.mean(dim=1, keepdim=True)) - b  # (B/k, k) implicit minus real centred reward
+    group_loss = 0.5 * (e**2).sum(dim=1) / (group_size - 1)  # (B/k,) unbiased group variance of R_theta - R
+    loss = group_loss.sum() / num_groups
+
+    with torch.no_grad():
+        n = response_mask.sum().clamp(min=1)
+        ratio = torch.exp(logprobs - anchor_logprobs)
+        metrics = {
+            "loss/policy": group_loss.mean().item(),
+            "algo/implicit_reward_std": (beta * a).std().item() if a.numel() > 1 else 0.0,
+            "policy/approx_kl": (((ratio - 1) - torch.log(ratio)) * response_mask).sum().item() / n.item(),
+        }
+    return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Training
+# ---------------------------------------------------------------------------------------------
+
+
+def main(args: Args) -> None:
+    rank, args.world_size, device = setup_distributed()
+    if args.group_size < 2:
+        raise fail(f"--group-size {args.group_size}: group advantages need at least 2 completions per prompt.")
+    args.local_prompts_per_step = exact_div(
+        args.prompts_per_step, args.world_size, "--prompts-per-step must be divisible by the number of ranks")
+    args.local_batch_size = args.local_prompts_per_step * args.group_size
+    args.minibatch_size = exact_div(
+        args.local_batch_size, args.num_minibatches,
+        "--num-minibatches must divide the sequences per rank (--prompts-per-step / ranks * --group-size)")
+    args.micro_batch_size = args.micro_batch_size or args.minibatch_size
+    exact_div(args.minibatch_size, args.micro_batch_size,
+              "--micro-batch-size must divide the sequences per rank and minibatch")
+    run_name = args.run_name or f"{Path(__file__).stem}__{args.seed}__{int(time.time())}"
+    run_dir = Path(args.output_dir) / run_name
+
+    # Data and the user reward are checked before any model is loaded, so bad input fails fast.
+    train_set, eval_set = load_data(args.dataset, args.eval_dataset, args.eval_size)
+    exact = args.dataset is None  # the built-in task's answers are compared as whole strings
+    reward_fn = load_reward_fn(args.reward_fn, train_set[:2]) if args.reward_fn else None
+
+    exact_div(args.minibatch_size, args.group_size, "--num-minibatches must split the sequences per rank into "
+              "whole groups (a multiple of --group-size)")
+    exact_div(args.micro_batch_size, args.group_size, "--micro-batch-size must be a multiple of --group-size: "
+              "a group's loss needs all its completions in one micro-batch")
+    # Same seed on every rank while loading, so any newly initialised weights (an added pad token's
+    # embedding) are identical; then seed + rank, or every rank would sample the same completions.
+    torch.manual_seed(args.seed)
+    tokenizer = load_tokenizer(args.model)
+    policy = load_model(args.model, args.dtype, device, tokenizer)
+    torch.manual_seed(args.seed + rank)
+    model = DDP(policy) if args.world_size > 1 else policy  # DDP averages gradients over ranks
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    logger = Logger(run_dir, asdict(args), rank, args.track)
+    print0(f"{args.prompts_per_step} prompts x {args.group_size} completions = "
+           f"{args.prompts_per_step * args.group_size} sequences per step on {args.world_size} rank(s), "
+           f"up to {args.prompts_per_step * args.group_size * args.max_new_tokens} response tokens; "
+           f"{args.updates_per_rollout * args.num_minibatches} optimizer steps per rollout")
+    last_checkpoint, replay = None, []  # replay: (rollout, rewards) of the last --reuse-steps steps, newest first
+
+    for step in range(args.num_steps):
+        step_start, times, metrics = time.perf_counter(), {}, {}
+        if args.eval_every and step % args.eval_every == 0:
+            metrics.update(evaluate(policy, tokenizer, eval_set, args.chat_template, exact, args.max_new_tokens,
+                                    rank, args.world_size, args.seed))
+
+        # 1. sample prompts: this rank's slice of the step's global batch
+        batch = prompt_batch(train_set, step, args.prompts_per_step, rank, args.world_size, args.seed)
+        prompts = [format_prompt(tokenizer, e["prompt"], args.chat_template) for e in batch]
+
+        # 2. generate G completions per prompt, stored contiguously by group
+        with timed(times, "gen"):
+            rollout = generate(policy, tokenizer, prompts, args.group_size, args.max_new_tokens, args.temperature)
+        b_ids, b_attention_mask, b_response_mask = rollout.input_ids, rollout.attention_mask, rollout.response_mask
+
+        # 3. score
+        answers = [e["answer"] for e in batch for _ in range(args.group_size)]
+        group_prompts = [e["prompt"] for e in batch for _ in range(args.group_size)]
+        rewards, components = score(group_prompts, rollout.texts, answers, exact, args.format_weight,
+                                    reward_fn, args.reward_fn)
+
+        # 4. advantages, on the fresh groups and those replayed from the last --reuse-steps steps
+        b_rollout = cat_rollouts([rollout] + [r for r, _ in replay], tokenizer.pad_token_id)
+        b_rewards = torch.cat([rewards] + [r for _, r in replay])
+        replay = [(rollout, rewards)] + replay[: args.reuse_steps - 1] if args.reuse_steps else []
+        b_ids, b_attention_mask, b_response_mask = (b_rollout.input_ids, b_rollout.attention_mask,
+                                                    b_rollout.response_mask)
+        b_advantages = compute_advantages(b_rewards, args.group_size).to(device)  # (B,)
+
+        # 5. anchor log-probs (no grad) of the policy at the start of the step, for every group,
+        # replayed ones included: a_i always measures the move away from the current anchor
+        with timed(times, "logprobs"):
+            b_old_logprobs = rollout_logprobs(model, b_rollout, args.temperature, args.micro_batch_size)  # (B, T)
+
+        # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
+        with timed(times, "update"):
+            update_metrics = []
+            batch_size = len(b_ids)  # the fresh groups and the replayed ones
+            minibatch_size = batch_size // args.num_minibatches  # whole groups (checked at start-up)
+            for _ in range(args.updates_per_rollout):
+                # Shuffle whole groups, never completions: a group's loss needs all k of them together.
+                b_groups = torch.randperm(batch_size // args.group_size, device=device)
+                b_order = (b_groups[:, None] * args.group_size + torch.arange(args.group_size, device=device)).view(-1)
+                for start in range(0, batch_size, minibatch_size):
+                    mb_idx = b_order[start : start + minibatch_size]
+                    # Groups in this optimizer step over all ranks; computed once, before the micro-batches.
+                    num_groups = all_reduce_sum(torch.tensor(len(mb_idx) // args.group_size, device=device)).item()
+                    num_groups /= args.world_size  # DDP averages gradients over ranks: undo it
+                    micro_starts = range(0, len(mb_idx), args.micro_batch_size)
+                    for k, micro in enumerate(micro_starts):
+                        idx = mb_idx[micro : micro + args.micro_batch_size]
+                        last = k == len(micro_starts) - 1
+                        # Sync gradients over ranks once per optimizer step, on the last micro-batch.
+                        with model.no_sync() if args.world_size > 1 and not last else nullcontext():
+                            logprobs, entropy = get_logprobs(model, b_ids[idx], b_attention_mask[idx],
+                                                             rollout.prompt_length, args.temperature)
+                            loss, mb_metrics = compute_loss(
+                                logprobs, b_old_logprobs[idx], b_advantages[idx], b_response_mask[idx], num_groups,
+                                args.group_size, args.beta)
+                            loss.backward()
+                        mb_metrics["policy/entropy"] = ((entropy * b_response_mask[idx]).sum() /
+                                                        b_response_mask[idx].sum().clamp(min=1)).item()
+                        update_metrics.append(mb_metrics)
+                    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                    if not torch.isfinite(grad_norm):  # same value on every rank: gradients are synced
+                        raise fail(f"step {step}: non-finite gradient norm ({grad_norm.item()}); stopped before "
+                                   f"the optimizer step. Last checkpoint: {last_checkpoint or 'none'}. "
+                                   "Try a lower --learning-rate, or check --reward-fn.")
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    update_metrics.append({"policy/grad_norm": grad_norm.item()})
+
+        # 7. log, evaluate, checkpoint
+        lengths = rollout.response_mask.sum(-1)
+        step_s = time.perf_counter() - step_start
+        metrics.update({
+            "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std().item(),
+            **{f"reward/{name}": value.mean().item() for name, value in components.items()},
+            "response/length_mean": lengths.mean().item(),
+            "response/truncated_frac": rollout.truncated.float().mean().item(),
+            **mean_metrics(update_metrics),
+            "perf/step_s": step_s,
+            "perf/gen_s": times["gen"],
+            "perf/logprobs_s": times["logprobs"],
+            "perf/update_s": times["update"],
+            "perf/tokens_per_s": lengths.sum().item() * args.world_size / step_s,
+            "perf/peak_mem_gb": peak_memory_gb(device),
+        })
+        logger.log(step, all_reduce_mean(metrics, device))
+        if args.save_every and (step + 1) % args.save_every == 0:
+            last_checkpoint = run_dir / f"step_{step + 1}"
+            if rank == 0:
+                save_checkpoint(policy, tokenizer, last_checkpoint)
+
+    if args.eval_every:
+        logger.log(args.num_steps, evaluate(policy, tokenizer, eval_set, args.chat_template, exact,
+                                            args.max_new_tokens, rank, args.world_size, args.seed))
+    if rank == 0:
+        save_checkpoint(policy, tokenizer, run_dir / "final")
+    print0(f"done: {run_dir / 'final'}")
+    logger.close()
+    cleanup_distributed()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

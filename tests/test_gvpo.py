@@ -1,0 +1,100 @@
+"""gvpo.py: the group MSE against the worked numbers of ALGORITHMS.md section 10.6, autograd, group
+integrity, and the replay of past groups (the on-policy learning test is in test_runs.py)."""
+
+import pytest
+import torch
+
+import gvpo
+
+B_REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0])
+
+
+def loss_at(a: torch.Tensor, rewards: torch.Tensor = B_REWARDS, beta: float = 0.1, num_groups: float = 1.0):
+    """The loss with a_i = a (one token per completion, anchor log-prob 0): returns (loss, d loss / d a)."""
+    a = a.clone().requires_grad_()
+    b = gvpo.compute_advantages(rewards, 4)
+    loss, _ = gvpo.compute_loss(a.view(-1, 1), torch.zeros(len(a), 1), b, torch.ones(len(a), 1), num_groups, 4, beta)
+    loss.backward()
+    return loss.item(), a.grad
+
+
+def test_centred_rewards_are_not_divided_by_the_std():
+    torch.testing.assert_close(gvpo.compute_advantages(B_REWARDS, 4), torch.tensor([0.5, -0.5, -0.5, 0.5]))
+    torch.testing.assert_close(gvpo.compute_advantages(B_REWARDS * 10, 4), torch.tensor([5.0, -5, -5, 5]))
+
+
+def test_worked_example():
+    # Section 10.6: on-policy (a = 0) the loss is 1/2 sum b^2 / (k-1) = 0.166667.
+    loss, grad = loss_at(torch.zeros(4))
+    assert loss == pytest.approx(0.166667, abs=1e-6)
+    # a = [0.2, -0.1, 0, 0.1]: e = [-0.485, 0.485, 0.495, -0.495], loss = 0.160083, w = -e.
+    a = torch.tensor([0.2, -0.1, 0.0, 0.1])
+    loss, grad = loss_at(a)
+    assert loss == pytest.approx(0.160083, abs=1e-6)
+    w = torch.tensor([0.485, -0.485, -0.495, 0.495])
+    torch.testing.assert_close(grad, -0.1 * w / 3)  # d loss / d a_i = -beta w_i / (k-1)
+
+
+def test_on_policy_gradient_is_the_centred_reward_policy_gradient():
+    _, grad = loss_at(torch.zeros(4))
+    torch.testing.assert_close(grad, -0.1 * gvpo.compute_advantages(B_REWARDS, 4) / 3)
+
+
+def test_detaching_the_group_mean_leaves_the_gradient_unchanged():
+    torch.manual_seed(0)
+    a = torch.randn(4, requires_grad=True)
+    b = gvpo.compute_advantages(torch.rand(4), 4)
+    e = 0.1 * (a - a.mean().detach()) - b
+    (0.5 * (e**2).sum() / 3).backward()
+    _, grad = loss_at(a.detach(), rewards=b + 0.3)  # the same centred rewards
+    torch.testing.assert_close(grad, a.grad)
+
+
+def test_loss_is_zero_at_the_kl_regularised_optimum_whatever_sampled_the_completions():
+    # beta (a - mean a) = b for any a of that form: a constant shift per group does not matter, so
+    # completions drawn by any sampler are at the optimum once the implicit rewards match.
+    torch.manual_seed(0)
+    rewards = torch.rand(8)
+    b = gvpo.compute_advantages(rewards, 4)
+    a = b / 0.1 + torch.tensor([3.0] * 4 + [-7.0] * 4)
+    loss, _ = gvpo.compute_loss(a.view(-1, 1), torch.zeros(8, 1), b, torch.ones(8, 1), 2, 4, 0.1)
+    assert loss.item() == pytest.approx(0.0, abs=1e-9)
+
+
+def test_sequence_sums_and_groups_add_up_over_micro_batches():
+    torch.manual_seed(0)
+    lp, anchor = torch.randn(8, 5, dtype=torch.float64), torch.randn(8, 5, dtype=torch.float64)
+    mask = (torch.rand(8, 5) > 0.3).double()
+    b = gvpo.compute_advantages(torch.rand(8, dtype=torch.float64), 4)
+    full, _ = gvpo.compute_loss(lp, anchor, b, mask, 2, 4)
+    halves = sum(gvpo.compute_loss(lp[i : i + 4], anchor[i : i + 4], b[i : i + 4], mask[i : i + 4], 2, 4)[0]
+                 for i in (0, 4))
+    assert halves.item() == pytest.approx(full.item(), abs=1e-12)
+    lp.requires_grad_()
+    assert torch.autograd.gradcheck(lambda x: gvpo.compute_loss(x, anchor, b, mask, 2, 4)[0], (lp,))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"micro_batch_size": 2}, "--micro-batch-size must be a multiple of --group-size"),
+    ({"num_minibatches": 8, "prompts_per_step": 4}, "--num-minibatches must split the sequences per rank into whole"),
+])
+def test_a_batch_split_that_would_cut_a_group_is_rejected(tmp_path, overrides, message):
+    args = {"num_steps": 1, "prompts_per_step": 4, "group_size": 4, "eval_every": 0, "output_dir": str(tmp_path),
+            **overrides}
+    with pytest.raises(SystemExit, match=message):
+        gvpo.main(gvpo.Args(**args))
+    assert not list(tmp_path.iterdir())
+
+
+def test_reuse_trains_on_the_previous_steps_groups(tmp_path, monkeypatch):
+    sizes = []
+
+    def advantages(rewards, group_size):
+        sizes.append(len(rewards))
+        return real(rewards, group_size)
+
+    real = gvpo.compute_advantages
+    monkeypatch.setattr(gvpo, "compute_advantages", advantages)
+    gvpo.main(gvpo.Args(num_steps=4, prompts_per_step=4, group_size=4, eval_every=0, reuse_steps=2,
+                        output_dir=str(tmp_path), run_name="reuse"))
+    assert sizes == [16, 32, 48, 48]  # fresh groups, plus those of at most the 2 previous steps
