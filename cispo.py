@@ -275,6 +275,7 @@ def main(args: Args) -> None:
         # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
         with timed(times, "update"):
             update_metrics = []
+            prompt_length = b_ids.shape[1] - b_response_mask.shape[1]  # responses start at this column
             for _ in range(args.updates_per_rollout):
                 b_order = torch.randperm(args.local_batch_size, device=device)
                 for start in range(0, args.local_batch_size, args.minibatch_size):
@@ -289,7 +290,7 @@ def main(args: Args) -> None:
                         # Sync gradients over ranks once per optimizer step, on the last micro-batch.
                         with model.no_sync() if args.world_size > 1 and not last else nullcontext():
                             logprobs, entropy = get_logprobs(model, b_ids[idx], b_attention_mask[idx],
-                                                             rollout.prompt_length, args.temperature)
+                                                             prompt_length, args.temperature)
                             loss, mb_metrics = compute_loss(
                                 logprobs, b_old_logprobs[idx], b_advantages[idx], b_response_mask[idx], num_tokens,
                                 args.is_eps_high, args.is_eps_low)

@@ -323,6 +323,7 @@ def main(args: Args) -> None:
         # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
         with timed(times, "update"):
             update_metrics = []
+            prompt_length = b_ids.shape[1] - b_response_mask.shape[1]  # responses start at this column
             batch_size = len(b_ids)  # the step's batch, smaller than local_batch_size if sampling ran out
             minibatch_size = -(-batch_size // args.num_minibatches)
             for _ in range(args.updates_per_rollout if batch_size else 0):
@@ -339,7 +340,7 @@ def main(args: Args) -> None:
                         # Sync gradients over ranks once per optimizer step, on the last micro-batch.
                         with model.no_sync() if args.world_size > 1 and not last else nullcontext():
                             logprobs, entropy = get_logprobs(model, b_ids[idx], b_attention_mask[idx],
-                                                             rollout.prompt_length, args.temperature)
+                                                             prompt_length, args.temperature)
                             loss, mb_metrics = compute_loss(
                                 logprobs, b_old_logprobs[idx], b_advantages[idx], b_response_mask[idx], num_tokens,
                                 args.clip_eps_low, args.clip_eps_high)

@@ -279,6 +279,7 @@ def main(args: Args) -> None:
         # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
         with timed(times, "update"):
             update_metrics = []
+            prompt_length = b_ids.shape[1] - b_response_mask.shape[1]  # responses start at this column
             batch_size = len(b_ids)  # the fresh groups and the replayed ones
             minibatch_size = batch_size // args.num_minibatches  # whole groups (checked at start-up)
             for _ in range(args.updates_per_rollout):
@@ -297,7 +298,7 @@ def main(args: Args) -> None:
                         # Sync gradients over ranks once per optimizer step, on the last micro-batch.
                         with model.no_sync() if args.world_size > 1 and not last else nullcontext():
                             logprobs, entropy = get_logprobs(model, b_ids[idx], b_attention_mask[idx],
-                                                             rollout.prompt_length, args.temperature)
+                                                             prompt_length, args.temperature)
                             loss, mb_metrics = compute_loss(
                                 logprobs, b_old_logprobs[idx], b_advantages[idx], b_response_mask[idx], num_groups,
                                 args.group_size, args.beta)

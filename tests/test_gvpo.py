@@ -1,10 +1,13 @@
 """gvpo.py: the group MSE against the worked numbers of ALGORITHMS.md section 10.6, autograd, group
 integrity, and the replay of past groups (the on-policy learning test is in test_runs.py)."""
 
+import json
+
 import pytest
 import torch
 
 import gvpo
+from conftest import read_metrics
 
 B_REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0])
 
@@ -98,3 +101,15 @@ def test_reuse_trains_on_the_previous_steps_groups(tmp_path, monkeypatch):
     gvpo.main(gvpo.Args(num_steps=4, prompts_per_step=4, group_size=4, eval_every=0, reuse_steps=2,
                         output_dir=str(tmp_path), run_name="reuse"))
     assert sizes == [16, 32, 48, 48]  # fresh groups, plus those of at most the 2 previous steps
+
+
+def test_replayed_groups_with_longer_prompts_are_scored_at_the_right_columns(tmp_path):
+    """Fresh and replayed prompts of different widths are re-padded into one batch; the update must
+    score responses where they start in that batch. On the first update of a step the ratio to the
+    anchor is then exactly 1 (approx_kl 0); scored at the wrong columns it would not be."""
+    rows = [{"prompt": "1+1" if i % 2 else "12345+67890+1", "answer": "2" if i % 2 else "80236"} for i in range(64)]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    gvpo.main(gvpo.Args(dataset=str(path), eval_size=4, num_steps=8, prompts_per_step=1, group_size=4,
+                        eval_every=0, reuse_steps=2, updates_per_rollout=1, output_dir=str(tmp_path), run_name="w"))
+    assert all(m["policy/approx_kl"] < 1e-6 for m in read_metrics(tmp_path / "w")), read_metrics(tmp_path / "w")
