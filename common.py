@@ -77,20 +77,21 @@ def print0(*args, **kwargs) -> None:
         print(*args, **kwargs, flush=True)
 
 
-def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum a tensor over ranks (a copy; identity on one process)."""
+def _all_reduce(x: torch.Tensor, op) -> torch.Tensor:
     x = x.detach().clone()
     if dist.is_initialized():
-        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        dist.all_reduce(x, op=op)
     return x
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over ranks (a copy; identity on one process)."""
+    return _all_reduce(x, dist.ReduceOp.SUM)
 
 
 def all_reduce_min(x: torch.Tensor) -> torch.Tensor:
     """Minimum of a tensor over ranks (a copy; identity on one process)."""
-    x = x.detach().clone()
-    if dist.is_initialized():
-        dist.all_reduce(x, op=dist.ReduceOp.MIN)
-    return x
+    return _all_reduce(x, dist.ReduceOp.MIN)
 
 
 def all_reduce_mean(metrics: dict[str, float], device: torch.device) -> dict[str, float]:

@@ -50,7 +50,6 @@ from common import (
     DEFAULT_MODEL,
     Logger,
     all_reduce_mean,
-    all_reduce_sum,
     cat_rollouts,
     cleanup_distributed,
     evaluate,
@@ -288,9 +287,9 @@ def main(args: Args) -> None:
                 b_order = (b_groups[:, None] * args.group_size + torch.arange(args.group_size, device=device)).view(-1)
                 for start in range(0, batch_size, minibatch_size):
                     mb_idx = b_order[start : start + minibatch_size]
-                    # Groups in this optimizer step over all ranks; computed once, before the micro-batches.
-                    num_groups = all_reduce_sum(torch.tensor(len(mb_idx) // args.group_size, device=device)).item()
-                    num_groups /= args.world_size  # DDP averages gradients over ranks: undo it
+                    # Groups in this optimizer step over all ranks, divided by the ranks because DDP averages
+                    # gradients over them: every rank holds the same number, so that is the local count.
+                    num_groups = len(mb_idx) // args.group_size
                     micro_starts = range(0, len(mb_idx), args.micro_batch_size)
                     for k, micro in enumerate(micro_starts):
                         idx = mb_idx[micro : micro + args.micro_batch_size]

@@ -22,6 +22,18 @@ def run(args: list[str], cwd: Path, torchrun: int = 0, timeout: int = 600) -> su
                           timeout=timeout)
 
 
+def record_batch_sizes(monkeypatch, module) -> list[int]:
+    """Wrap `module.compute_advantages` so that each step's batch size (completions trained on) is recorded."""
+    sizes, real = [], module.compute_advantages
+
+    def compute_advantages(rewards, *args, **kwargs):
+        sizes.append(len(rewards))
+        return real(rewards, *args, **kwargs)
+
+    monkeypatch.setattr(module, "compute_advantages", compute_advantages)
+    return sizes
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

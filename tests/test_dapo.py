@@ -10,7 +10,7 @@ import torch
 import dapo
 import grpo
 from common import prompt_batch
-from conftest import read_metrics, run
+from conftest import read_metrics, record_batch_sizes, run
 
 
 @pytest.mark.parametrize("length, penalty", [(16000, 0.0), (16384, 0.0), (18432, -0.5), (20480, -1.0), (20481, -1.0)])
@@ -94,14 +94,7 @@ def write_dataset(path: Path, impossible: set[int], size: int = 200) -> Path:
 
 def run_main(tmp_path, monkeypatch, dataset: Path, **overrides) -> tuple[list[int], list[dict]]:
     """dapo.main in-process; returns the number of completions trained on per step, and the metrics."""
-    trained = []
-
-    def advantages(rewards, *args, **kwargs):
-        trained.append(len(rewards))
-        return real(rewards, *args, **kwargs)
-
-    real = dapo.compute_advantages
-    monkeypatch.setattr(dapo, "compute_advantages", advantages)
+    trained = record_batch_sizes(monkeypatch, dapo)
     args = dapo.Args(**{"dataset": str(dataset), "eval_size": 4, "num_steps": 2, "prompts_per_step": 8,
                         "group_size": 4, "eval_every": 0, "output_dir": str(tmp_path), "run_name": "ds", **overrides})
     dapo.main(args)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gvpo
-from conftest import read_metrics
+from conftest import read_metrics, record_batch_sizes
 
 B_REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0])
 
@@ -90,14 +90,7 @@ def test_a_batch_split_that_would_cut_a_group_is_rejected(tmp_path, overrides, m
 
 
 def test_reuse_trains_on_the_previous_steps_groups(tmp_path, monkeypatch):
-    sizes = []
-
-    def advantages(rewards, group_size):
-        sizes.append(len(rewards))
-        return real(rewards, group_size)
-
-    real = gvpo.compute_advantages
-    monkeypatch.setattr(gvpo, "compute_advantages", advantages)
+    sizes = record_batch_sizes(monkeypatch, gvpo)
     gvpo.main(gvpo.Args(num_steps=4, prompts_per_step=4, group_size=4, eval_every=0, reuse_steps=2,
                         output_dir=str(tmp_path), run_name="reuse"))
     assert sizes == [16, 32, 48, 48]  # fresh groups, plus those of at most the 2 previous steps
