@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
 from torch.utils.checkpoint import checkpoint
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 DEFAULT_MODEL = str(Path(__file__).parent / "tiny_model")  # made by make_tiny_model.py
 transformers.utils.logging.disable_progress_bar()
@@ -174,20 +174,20 @@ def peak_memory_gb(device: torch.device) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def check_model_name(name: str) -> None:
+def check_model_name(name: str, flag: str = "--model") -> None:
     """Fail at once on a local-looking path that does not exist, rather than asking the Hub for it."""
     if not Path(name).expanduser().exists() and (name.startswith((".", "/", "~")) or name.count("/") > 1):
-        raise fail(f"--model {name!r}: no such folder. Pass an existing folder or a Hugging Face model name.")
+        raise fail(f"{flag} {name!r}: no such folder. Pass an existing folder or a Hugging Face model name.")
 
 
-def load_tokenizer(name: str):
+def load_tokenizer(name: str, flag: str = "--model"):
     """Left padding (prompts end where generation starts) and a pad token distinct from EOS, so that
     masking padding can never mask the real EOS token, which is an action and gets gradient."""
-    check_model_name(name)
+    check_model_name(name, flag)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as e:
-        raise fail(f"--model {name!r}: cannot load its tokenizer ({str(e).splitlines()[0]}). "
+        raise fail(f"{flag} {name!r}: cannot load its tokenizer ({str(e).splitlines()[0]}). "
                    "Pass a local folder or a Hugging Face model name reachable from this machine.") from None
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
@@ -195,20 +195,24 @@ def load_tokenizer(name: str):
     return tokenizer
 
 
-def load_model(name: str, dtype: str, device: torch.device, tokenizer):
-    """Any causal LM by Hugging Face name or local path, dropout off, in `dtype` ("auto": fp32 on CPU,
-    bf16 on GPU), its embeddings grown if `load_tokenizer` added a pad token."""
+def load_model(name: str, dtype: str, device: torch.device, tokenizer, auto_class=AutoModelForCausalLM,
+               flag: str = "--model"):
+    """Any causal LM (or, with `auto_class`, e.g. `AutoModel`, its backbone) by Hugging Face name or local
+    path, dropout off, in `dtype` ("auto": fp32 on CPU, bf16 on GPU), its embeddings grown if
+    `load_tokenizer` added a pad token."""
     if dtype == "auto":
         dtype = "bfloat16" if device.type == "cuda" else "float32"
-    check_model_name(name)
+    check_model_name(name, flag)
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype))
+        model = auto_class.from_pretrained(name, dtype=getattr(torch, dtype))
     except (OSError, ValueError) as e:
-        raise fail(f"--model {name!r}: cannot load it ({str(e).splitlines()[0]}). "
+        raise fail(f"{flag} {name!r}: cannot load it ({str(e).splitlines()[0]}). "
                    "Pass a local folder or a Hugging Face model name reachable from this machine.") from None
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # a pad token was added
-    model.config.pad_token_id = model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
     for module in model.modules():  # dropout off: log-probs must be a deterministic function of the weights
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -560,6 +564,35 @@ def score(prompts: list[str], completions: list[str], answers: list[str], exact:
         components["user"] = call_reward_fn(reward_fn, reward_fn_spec, prompts, completions, answers)
     rewards = components["correct"] + format_weight * components.get("format", 0.0) + components.get("user", 0.0)
     return rewards, components
+
+
+def load_reward_model(name: str, dtype: str, device: torch.device):
+    """A frozen `AutoModelForSequenceClassification` with one output (a reward model) and its own
+    tokenizer, which need not be the policy's: completions are scored as text."""
+    tokenizer = load_tokenizer(name, "--reward-model")
+    model = load_model(name, dtype, device, tokenizer, AutoModelForSequenceClassification, "--reward-model")
+    if model.config.num_labels != 1:
+        raise fail(f"--reward-model {name!r}: has {model.config.num_labels} outputs; a reward model has one "
+                   "(AutoModelForSequenceClassification with num_labels=1).")
+    return model.eval().requires_grad_(False), tokenizer
+
+
+@torch.no_grad()
+def reward_model_scores(reward_model, tokenizer, prompts: list[str], completions: list[str], ended: torch.Tensor,
+                        chat_template: bool, batch_size: int) -> torch.Tensor:
+    """Scores (B,) of prompt + completion (+ EOS where the completion `ended` with it), re-tokenized with
+    the reward model's own tokenizer and read at the last token: left padding puts it in the last column,
+    where the sequence-classification head picks the last non-pad token."""
+    texts = [format_prompt(tokenizer, p, chat_template) + c + ((tokenizer.eos_token or "") if e else "")
+             for p, c, e in zip(prompts, completions, ended.tolist())]
+    device, scores = next(reward_model.parameters()).device, []
+    for i in range(0, len(texts), batch_size):
+        enc = tokenizer(texts[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+        mask = enc["attention_mask"].to(device)
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens start at 0
+        scores.append(reward_model(input_ids=enc["input_ids"].to(device), attention_mask=mask,
+                                   position_ids=position_ids).logits[:, 0].float().cpu())
+    return torch.cat(scores)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,9 +12,11 @@ from conftest import ALGORITHMS, ROOT
 # data, the evaluation, logging and checkpoint steps, the end of the run) must be byte-identical.
 ALGORITHM_REGIONS = [
     ('"""GRPO:', "import time"),  # the docstring
+    ("from torch.nn.parallel import", "from common import ("),  # a third-party import of its own
     ("from common import (", ")"),  # the names imported from common.py
     ("    # Algorithm", "    # Computed at runtime"),  # the Algorithm block of Args
     ("# 2. Algorithm", "# 3. Training"),  # the pure functions
+    ("    if args.group_size < 2:", "    args.local_prompts_per_step ="),  # its own start-up checks
     ("    # Same seed on every rank while loading", "    for step in range(args.num_steps):"),  # models
     ("        # 1. sample prompts", "        # 7. log, evaluate, checkpoint"),  # sampling to the update
 ]

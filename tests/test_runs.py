@@ -67,6 +67,8 @@ def test_two_ranks_and_micro_batches_give_the_same_update(tmp_path, mixed_datase
         new, m = one_step(tmp_path, algo, name, mixed_dataset, extra, torchrun)
         assert max_relative_difference(base, new) <= 1e-5, name
         assert m["policy/grad_norm"] == pytest.approx(base_m["policy/grad_norm"], rel=1e-5), name
+        if algo == "ppo":  # the critic's update too (mean of the 2 optimizer steps' gradient norms)
+            assert m["algo/value_grad_norm"] == pytest.approx(base_m["algo/value_grad_norm"], rel=1e-5), name
         assert m["reward/mean"] == base_m["reward/mean"]  # the same completions
         # (loss/policy is a mean of micro-batch means: for token-mean losses it depends on the split)
 

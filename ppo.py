@@ -1,0 +1,514 @@
+"""PPO for RLHF: a policy, a learned critic, a frozen reference and a reward, as in InstructGPT.
+
+Score each completion (the rule-based reward, or a reward model) and spread it over tokens: the score
+on the last token and, on every token, -beta * (log pi_old - log pi_ref), a k1 KL penalty that is part
+of the reward and never differentiated. A critic V (a separate network with a scalar head) predicts
+the return of every response prefix; GAE turns rewards and values into per-token advantages, whitened
+over the batch. The policy minimises PPO's clipped surrogate, the critic a clipped squared error.
+
+Papers: Schulman et al., arXiv:1707.06347 (PPO) and arXiv:1506.02438 (GAE); Ziegler et al.,
+arXiv:1909.08593 (KL in the reward, adaptive beta); Ouyang et al., arXiv:2203.02155 (InstructGPT);
+Huang et al., "The N+ Implementation Details of RLHF with PPO", arXiv:2403.17031 (the defaults here).
+
+Per response token t (T = the last one, normally EOS; N = tokens in the optimizer step, all ranks):
+    r_t  = -beta * (log pi_old - log pi_ref)_t + [t = T] * score
+    A_t  = delta_t + gamma * lam * A_{t+1},  delta_t = r_t + gamma * V_old(t+1) - V_old(t),  V_old(T+1) = 0
+    R_t  = A_t + V_old(t)  (returns from the raw advantages), then A <- whiten(A)
+    loss = 1/N sum_t max(-A_t r_t, -A_t clip(r_t, 1-eps, 1+eps))            (r_t = pi_theta / pi_old)
+         + vf_coef/N sum_t 1/2 max((V - R_t)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R_t)^2)
+
+Differences from grpo.py:
+- a critic replaces the group baseline: advantages are per token (GAE), and --group-size may be 1;
+- the KL is a detached k1 penalty in the reward, not a k3 loss term; --target-kl adapts beta;
+- --reward-model scores completions instead of the rule; no EOS scores --no-eos-score (N+'s EOS trick);
+- token-mean over the optimizer step instead of per-sequence mean then mean.
+
+Run:
+    python ppo.py                                           # offline default: tiny model, a+b task, CPU
+    torchrun --standalone --nproc_per_node=2 ppo.py         # data-parallel (gloo on CPU, nccl on GPU)
+    torchrun --standalone --nproc_per_node=8 ppo.py --model Qwen/Qwen2.5-0.5B-Instruct \\
+        --reward-model my-rm --dataset train.jsonl --max-new-tokens 512 --learning-rate 3e-6 \\
+        --critic-learning-rate 3e-6 --micro-batch-size 16
+"""
+
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+import tyro
+from torch.nn.parallel import DistributedDataParallel as DDP
+from transformers import AutoModel
+
+from common import (
+    DEFAULT_MODEL,
+    Logger,
+    all_reduce_mean,
+    all_reduce_sum,
+    cleanup_distributed,
+    evaluate,
+    exact_div,
+    fail,
+    format_prompt,
+    generate,
+    get_logprobs,
+    load_data,
+    load_model,
+    load_reward_fn,
+    load_reward_model,
+    load_tokenizer,
+    mean_metrics,
+    peak_memory_gb,
+    print0,
+    prompt_batch,
+    reward_model_scores,
+    rollout_logprobs,
+    save_checkpoint,
+    score,
+    setup_distributed,
+    timed,
+)
+
+# ---------------------------------------------------------------------------------------------
+# 1. Config
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Args:
+    # Experiment
+    seed: int = 1
+    """seed of the data order, the sampling and evaluation"""
+    run_name: Optional[str] = None
+    """metrics and checkpoints go to <output-dir>/<run-name> (default: <file>__<seed>__<unix time>)"""
+    output_dir: str = "runs"
+    """folder of all runs"""
+    track: bool = False
+    """log to Weights & Biases (pip install wandb)"""
+    eval_every: int = 20
+    """evaluate on the held-out split every N steps, and at the end (0: never)"""
+    save_every: int = 0
+    """save a checkpoint every N steps (0: only at the end)"""
+
+    # Model & data
+    model: str = DEFAULT_MODEL
+    """Hugging Face model name or local folder"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """weights dtype; auto = float32 on CPU, bfloat16 on GPU (log-probs are always computed in float32)"""
+    dataset: Optional[str] = None
+    """JSONL file with "prompt" and "answer" fields (default: the built-in a+b task)"""
+    eval_dataset: Optional[str] = None
+    """held-out JSONL file (default: the last --eval-size rows of --dataset)"""
+    eval_size: int = 500
+    """held-out prompts taken from the built-in task or --dataset when there is no --eval-dataset"""
+    chat_template: bool = True
+    """wrap prompts in the tokenizer's chat template, when it has one"""
+    format_weight: float = 0.0
+    """weight of the format reward (answer as a bare number / in \\boxed{}) added to correctness"""
+    reward_fn: Optional[str] = None
+    """extra reward 'module:function' or 'file.py:function', called as fn(prompts, completions, answers)"""
+
+    # Rollout
+    num_steps: int = 200
+    """training steps; each samples one rollout and takes updates-per-rollout x num-minibatches optimizer steps"""
+    prompts_per_step: int = 32
+    """prompts per rollout, over all ranks"""
+    group_size: int = 8
+    """G: completions sampled per prompt"""
+    max_new_tokens: int = 8
+    """generation limit per completion; a completion that reaches it without EOS is 'truncated'"""
+    temperature: float = 1.0
+    """sampling temperature; log-probs divide the logits by it too"""
+
+    # Optimization
+    learning_rate: float = 2e-4
+    """tuned for the tiny default model; 1e-6 is the paper's value for 7B models"""
+    updates_per_rollout: int = 2
+    """mu: passes over each rollout (1 makes the ratio exactly 1 and clipping inactive)"""
+    num_minibatches: int = 1
+    """optimizer steps per pass over the rollout"""
+    micro_batch_size: Optional[int] = None
+    """sequences per forward/backward on each rank, accumulated up to the minibatch (default: the whole minibatch)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping (verl and the DAPO script use 1.0)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+
+    # Algorithm
+    clip_eps: float = 0.2
+    """epsilon of the clipped ratio (N+ and TRL: 0.2)"""
+    beta: float = 0.05
+    """weight of the k1 KL penalty in the per-token reward (N+ and TRL: 0.05); 0 skips the reference model"""
+    target_kl: Optional[float] = None
+    """adapt beta toward this KL to the reference (nats per completion; Ziegler et al.'s controller); None: fixed"""
+    gamma: float = 1.0
+    """discount of GAE (1: the final score counts fully at every token, as N+, TRL and verl)"""
+    lam: float = 0.95
+    """lambda of GAE (N+ and TRL: 0.95; verl: 1.0)"""
+    value_clip_eps: float = 0.2
+    """the value prediction moves at most this far from the rollout's value (N+ and TRL: 0.2; verl: 0.5)"""
+    vf_coef: float = 0.1
+    """weight of the value loss (N+ and TRL: 0.1); with a separate critic and Adam it mostly sets when
+    --max-grad-norm clips the critic's gradient"""
+    critic_learning_rate: Optional[float] = None
+    """the critic's AdamW learning rate (default: --learning-rate; verl uses 10x the policy's)"""
+    critic_model: Optional[str] = None
+    """backbone of the critic (default: --reward-model when given, as N+, else --model); must share
+    --model's tokenizer, since it reads the policy's tokens"""
+    reward_model: Optional[str] = None
+    """AutoModelForSequenceClassification (one output) whose score replaces the rule-based reward"""
+    no_eos_score: Optional[float] = -1.0
+    """score of a completion cut off at --max-new-tokens without EOS (N+'s EOS trick: -1); None: scored normally"""
+
+    # Computed at runtime
+    world_size: tyro.conf.Suppress[int] = 1
+    local_prompts_per_step: tyro.conf.Suppress[int] = 0
+    local_batch_size: tyro.conf.Suppress[int] = 0
+    minibatch_size: tyro.conf.Suppress[int] = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Algorithm
+# ---------------------------------------------------------------------------------------------
+
+
+class Critic(torch.nn.Module):
+    """V(s_t): a transformer backbone and a scalar head, one value per response token: the value of the
+    state before that token, i.e. read from the same hidden state as the logit that predicts it.
+
+    The head starts at zero, so the first values are 0 and the first advantages are the discounted rewards."""
+
+    def __init__(self, backbone: torch.nn.Module):
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = torch.nn.Linear(backbone.config.hidden_size, 1, device=backbone.device)  # fp32
+        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int) -> torch.Tensor:
+        """(B, P+L) ids and mask -> values (B, L) in fp32, 0 after the last response token."""
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens start at 0
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False).last_hidden_state[:, prompt_length - 1 : -1]  # (B, L, H)
+        return self.value_head(hidden.float()).squeeze(-1) * attention_mask[:, prompt_length:]
+
+
+def compute_rewards(
+    scores: torch.Tensor,
+    truncated: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: Optional[torch.Tensor],
+    response_mask: torch.Tensor,
+    beta: float,
+    no_eos_score: Optional[float] = -1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards: -beta * k1 KL on every response token, plus the completion's score on its last
+    token (EOS when there is one); a completion cut off without EOS scores `no_eos_score` instead.
+
+    scores, truncated: (B,); old_logprobs, ref_logprobs, response_mask: (B, T) -> rewards (B, T), kl (B, T).
+    Everything is detached: the KL is part of the reward the policy sees, never a loss to differentiate."""
+    if no_eos_score is not None:
+        scores = torch.where(truncated, torch.full_like(scores, no_eos_score), scores)
+    if ref_logprobs is None:
+        kl = torch.zeros_like(old_logprobs)
+    else:
+        kl = (old_logprobs - ref_logprobs).detach() * response_mask  # (B, T) k1 = log pi_old - log pi_ref
+    rewards = -beta * kl
+    last = (response_mask.sum(-1).long() - 1).clamp(min=0)  # (B,) index of the last real token
+    rewards[torch.arange(len(rewards)), last] += scores.detach()
+    return rewards, kl
+
+
+def compute_advantages(
+    rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over response tokens, treating the last real token as terminal (the value after it is 0, even
+    for a completion that was cut off: the LLM-RLHF convention).
+
+    rewards, values (V_old at rollout time), response_mask: (B, T) -> advantages, returns: (B, T), 0 after
+    the last token. The returns (critic targets) use these raw advantages; whiten the advantages after."""
+    rewards, values = rewards * response_mask, values * response_mask  # past the end: no reward, value 0
+    advantages = torch.zeros_like(rewards)
+    next_advantage = next_value = torch.zeros_like(rewards[:, 0])  # (B,)
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_advantage = delta + gamma * lam * next_advantage
+        advantages[:, t] = next_advantage
+        next_value = values[:, t]
+    advantages = advantages * response_mask
+    return advantages, advantages + values
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, reduce=lambda sums: sums, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the valid tokens (mask = 1), 0 elsewhere; unbiased variance, as
+    verl and TRL. `reduce` sums the statistics over ranks (e.g. an all-reduce) when the batch is spread
+    over them, so that every rank whitens with the whole batch's mean and variance."""
+    count, total, total_sq = reduce(torch.stack([mask.sum(), (x * mask).sum(), (x * x * mask).sum()]))
+    mean = total / count
+    var = (total_sq - count * mean**2) / (count - 1).clamp(min=1)
+    return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+def update_kl_coef(beta: float, observed_kl: float, target_kl: float, num_sequences: int,
+                   horizon: int = 10000) -> float:
+    """Ziegler et al.'s adaptive KL controller: raise beta when the KL to the reference (per completion)
+    is above target, lower it when below, by at most 20% of num_sequences / horizon per call."""
+    error = min(max(observed_kl / target_kl - 1, -0.2), 0.2)
+    return beta * (1 + error * num_sequences / horizon)
+
+
+def compute_value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    num_tokens: float,
+    value_clip_eps: float = 0.2,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss: 1/2 max((V - R)^2, (V_clip - R)^2), V_clip = V_old + clip(V - V_old, -eps_v, eps_v),
+    summed over tokens and divided by `num_tokens` (the optimizer step's token count).
+
+    All (B, T) -> (loss, clipfrac): the pessimistic (larger) error is kept, so the critic gets no gradient
+    where it moved more than eps_v from the rollout's value in the direction that made its error worse."""
+    values_clipped = old_values + torch.clamp(values - old_values, -value_clip_eps, value_clip_eps)
+    errors, errors_clipped = (values - returns) ** 2, (values_clipped - returns) ** 2
+    loss = (0.5 * torch.max(errors, errors_clipped) * response_mask).sum() / num_tokens
+    clipfrac = ((errors_clipped > errors).float() * response_mask).sum() / response_mask.sum().clamp(min=1)
+    return loss, clipfrac
+
+
+def compute_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    num_tokens: float,
+    clip_eps: float = 0.2,
+    value_clip_eps: float = 0.2,
+    vf_coef: float = 0.1,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO loss (minimised): clipped surrogate + vf_coef * clipped value loss, both token-means over the
+    optimizer step: summed over tokens and divided by `num_tokens`, the response tokens of the whole step
+    (every micro-batch, every rank), computed once by the caller.
+
+    All (B, T): per-token advantages (whitened), values of the critic being trained, old_values and
+    returns from the rollout."""
+    ratio = torch.exp(logprobs - old_logprobs)  # (B, T); exactly 1 on the first update of a rollout
+    pg_losses = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps))
+    pg_loss = (pg_losses * response_mask).sum() / num_tokens
+    vf_loss, vf_clipfrac = compute_value_loss(values, old_values, returns, response_mask, num_tokens, value_clip_eps)
+    loss = pg_loss + vf_coef * vf_loss
+
+    with torch.no_grad():
+        n = response_mask.sum().clamp(min=1)
+        clipped = (ratio - 1).abs() > clip_eps
+        metrics = {
+            "loss/policy": ((pg_losses * response_mask).sum() / n).item(),
+            "loss/value": (vf_loss * num_tokens / n).item(),
+            "policy/clipfrac": ((clipped.float() * response_mask).sum() / n).item(),
+            "policy/approx_kl": (((ratio - 1) - torch.log(ratio)) * response_mask).sum().item() / n.item(),
+            "algo/value_clipfrac": vf_clipfrac.item(),
+        }
+    return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Training
+# ---------------------------------------------------------------------------------------------
+
+
+def main(args: Args) -> None:
+    rank, args.world_size, device = setup_distributed()
+    if args.group_size < 1:
+        raise fail(f"--group-size {args.group_size}: sample at least 1 completion per prompt.")
+    if args.target_kl is not None and args.target_kl <= 0:
+        raise fail(f"--target-kl {args.target_kl}: must be positive (or leave it out to keep --beta fixed).")
+    args.local_prompts_per_step = exact_div(
+        args.prompts_per_step, args.world_size, "--prompts-per-step must be divisible by the number of ranks")
+    args.local_batch_size = args.local_prompts_per_step * args.group_size
+    args.minibatch_size = exact_div(
+        args.local_batch_size, args.num_minibatches,
+        "--num-minibatches must divide the sequences per rank (--prompts-per-step / ranks * --group-size)")
+    args.micro_batch_size = args.micro_batch_size or args.minibatch_size
+    exact_div(args.minibatch_size, args.micro_batch_size,
+              "--micro-batch-size must divide the sequences per rank and minibatch")
+    run_name = args.run_name or f"{Path(__file__).stem}__{args.seed}__{int(time.time())}"
+    run_dir = Path(args.output_dir) / run_name
+
+    # Data and the user reward are checked before any model is loaded, so bad input fails fast.
+    train_set, eval_set = load_data(args.dataset, args.eval_dataset, args.eval_size)
+    exact = args.dataset is None  # the built-in task's answers are compared as whole strings
+    reward_fn = load_reward_fn(args.reward_fn, train_set[:2]) if args.reward_fn else None
+
+    # Same seed on every rank while loading, so any newly initialised weights (an added pad token's
+    # embedding) are identical; then seed + rank, or every rank would sample the same completions.
+    torch.manual_seed(args.seed)
+    tokenizer = load_tokenizer(args.model)
+    # The critic reads the policy's token ids, so its backbone must share the policy's tokenizer.
+    critic_path = args.critic_model or args.reward_model or args.model
+    flag = "--critic-model" if args.critic_model else "--reward-model" if args.reward_model else "--model"
+    if load_tokenizer(critic_path, flag).get_vocab() != tokenizer.get_vocab():
+        raise fail(f"{flag} {critic_path!r}: its tokenizer differs from --model's, and the critic reads the "
+                   "policy's tokens. Pass --critic-model with a model that shares --model's tokenizer "
+                   "(e.g. --critic-model <the --model path>).")
+    policy = load_model(args.model, args.dtype, device, tokenizer)
+    ref_policy = None
+    if args.beta > 0 or args.target_kl:  # the frozen initial policy; not loaded at all when the KL is off
+        torch.manual_seed(args.seed)
+        ref_policy = load_model(args.model, args.dtype, device, tokenizer).eval().requires_grad_(False)
+    reward_model = rm_tokenizer = None
+    if args.reward_model:
+        reward_model, rm_tokenizer = load_reward_model(args.reward_model, args.dtype, device)
+    torch.manual_seed(args.seed)
+    critic = Critic(load_model(critic_path, args.dtype, device, tokenizer, AutoModel, flag))
+    torch.manual_seed(args.seed + rank)
+    model = DDP(policy) if args.world_size > 1 else policy  # DDP averages gradients over ranks
+    critic_model = DDP(critic) if args.world_size > 1 else critic
+    optimizer = torch.optim.AdamW([  # one optimizer, two parameter groups: the critic has its own rate
+        {"params": policy.parameters()},
+        {"params": critic.parameters(), "lr": args.critic_learning_rate or args.learning_rate},
+    ], lr=args.learning_rate, weight_decay=args.weight_decay)
+    beta = args.beta
+    logger = Logger(run_dir, asdict(args), rank, args.track)
+    print0(f"{args.prompts_per_step} prompts x {args.group_size} completions = "
+           f"{args.prompts_per_step * args.group_size} sequences per step on {args.world_size} rank(s), "
+           f"up to {args.prompts_per_step * args.group_size * args.max_new_tokens} response tokens; "
+           f"{args.updates_per_rollout * args.num_minibatches} optimizer steps per rollout")
+    last_checkpoint = None
+
+    for step in range(args.num_steps):
+        step_start, times, metrics = time.perf_counter(), {}, {}
+        if args.eval_every and step % args.eval_every == 0:
+            metrics.update(evaluate(policy, tokenizer, eval_set, args.chat_template, exact, args.max_new_tokens,
+                                    rank, args.world_size, args.seed))
+
+        # 1. sample prompts: this rank's slice of the step's global batch
+        batch = prompt_batch(train_set, step, args.prompts_per_step, rank, args.world_size, args.seed)
+        prompts = [format_prompt(tokenizer, e["prompt"], args.chat_template) for e in batch]
+
+        # 2. generate G completions per prompt, stored contiguously by group
+        with timed(times, "gen"):
+            rollout = generate(policy, tokenizer, prompts, args.group_size, args.max_new_tokens, args.temperature)
+        b_ids, b_attention_mask, b_response_mask = rollout.input_ids, rollout.attention_mask, rollout.response_mask
+
+        # 3. score: the rule-based reward, or the reward model's score (the rule's parts are still logged)
+        answers = [e["answer"] for e in batch for _ in range(args.group_size)]
+        group_prompts = [e["prompt"] for e in batch for _ in range(args.group_size)]
+        rewards, components = score(group_prompts, rollout.texts, answers, exact, args.format_weight,
+                                    reward_fn, args.reward_fn)
+        if reward_model is not None:
+            rewards = components["model"] = reward_model_scores(
+                reward_model, rm_tokenizer, group_prompts, rollout.texts, ~rollout.truncated, args.chat_template,
+                args.micro_batch_size)
+
+        # 4. old/ref log-probs and old values (no grad), recomputed by the training models: PPO needs them
+        # before its advantages. The ratio starts at exactly 1.
+        with timed(times, "logprobs"):
+            b_old_logprobs = rollout_logprobs(model, rollout, args.temperature, args.micro_batch_size)  # (B, T)
+            b_ref_logprobs = None
+            if ref_policy is not None:
+                b_ref_logprobs = rollout_logprobs(ref_policy, rollout, args.temperature, args.micro_batch_size)
+            with torch.no_grad():
+                b_old_values = torch.cat([
+                    critic_model(b_ids[i : i + args.micro_batch_size], b_attention_mask[i : i + args.micro_batch_size],
+                                 rollout.prompt_length)
+                    for i in range(0, len(b_ids), args.micro_batch_size)])  # (B, T)
+
+        # 5. per-token rewards (score at the end, KL penalty on every token), GAE, advantages whitened over
+        # the whole batch (statistics summed over ranks)
+        b_rewards, b_kl = compute_rewards(rewards.to(device), rollout.truncated.to(device), b_old_logprobs,
+                                          b_ref_logprobs, b_response_mask, beta, args.no_eos_score)
+        b_advantages, b_returns = compute_advantages(b_rewards, b_old_values, b_response_mask, args.gamma, args.lam)
+        b_advantages = whiten(b_advantages, b_response_mask, all_reduce_sum)
+        kl_sum, num_sequences = all_reduce_sum(torch.stack([b_kl.sum(), b_kl.new_tensor(len(b_kl))]))
+        residual = ((b_returns - b_old_values) * b_response_mask)[b_response_mask > 0]
+        metrics.update({
+            "algo/kl": (kl_sum / num_sequences).item(),  # k1 KL to the reference, nats per completion
+            "algo/beta": beta,
+            "algo/value_mean": ((b_old_values * b_response_mask).sum() / b_response_mask.sum()).item(),
+            "algo/explained_variance": (1 - residual.var() / b_returns[b_response_mask > 0].var()).item(),
+        })
+        if args.target_kl:  # the coefficient for the next step, from the whole batch's KL
+            beta = update_kl_coef(beta, (kl_sum / num_sequences).item(), args.target_kl, int(num_sequences))
+
+        # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
+        with timed(times, "update"):
+            update_metrics = []
+            prompt_length = b_ids.shape[1] - b_response_mask.shape[1]  # responses start at this column
+            for _ in range(args.updates_per_rollout):
+                b_order = torch.randperm(args.local_batch_size, device=device)
+                for start in range(0, args.local_batch_size, args.minibatch_size):
+                    mb_idx = b_order[start : start + args.minibatch_size]
+                    # Tokens in this optimizer step over all ranks; computed once, before the micro-batches.
+                    num_tokens = all_reduce_sum(b_response_mask[mb_idx].sum()).item()
+                    num_tokens /= args.world_size  # DDP averages gradients over ranks: undo it
+                    micro_starts = range(0, len(mb_idx), args.micro_batch_size)
+                    for k, micro in enumerate(micro_starts):
+                        idx = mb_idx[micro : micro + args.micro_batch_size]
+                        last = k == len(micro_starts) - 1
+                        # Sync gradients over ranks once per optimizer step, on the last micro-batch.
+                        no_sync = args.world_size > 1 and not last
+                        with model.no_sync() if no_sync else nullcontext(), \
+                                critic_model.no_sync() if no_sync else nullcontext():
+                            logprobs, entropy = get_logprobs(model, b_ids[idx], b_attention_mask[idx],
+                                                             prompt_length, args.temperature)
+                            values = critic_model(b_ids[idx], b_attention_mask[idx], prompt_length)  # (b, T)
+                            loss, mb_metrics = compute_loss(
+                                logprobs, b_old_logprobs[idx], b_advantages[idx], values, b_old_values[idx],
+                                b_returns[idx], b_response_mask[idx], num_tokens, args.clip_eps, args.value_clip_eps,
+                                args.vf_coef)
+                            loss.backward()
+                        mb_metrics["policy/entropy"] = ((entropy * b_response_mask[idx]).sum() /
+                                                        b_response_mask[idx].sum().clamp(min=1)).item()
+                        update_metrics.append(mb_metrics)
+                    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                    value_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+                    if not (torch.isfinite(grad_norm) and torch.isfinite(value_grad_norm)):  # synced: same everywhere
+                        raise fail(f"step {step}: non-finite gradient norm (policy {grad_norm.item()}, critic "
+                                   f"{value_grad_norm.item()}); stopped before the optimizer step. Last checkpoint: "
+                                   f"{last_checkpoint or 'none'}. Try a lower --learning-rate, or check --reward-fn.")
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    update_metrics.append({"policy/grad_norm": grad_norm.item(),
+                                           "algo/value_grad_norm": value_grad_norm.item()})
+
+        # 7. log, evaluate, checkpoint
+        lengths = rollout.response_mask.sum(-1)
+        step_s = time.perf_counter() - step_start
+        metrics.update({
+            "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std().item(),
+            **{f"reward/{name}": value.mean().item() for name, value in components.items()},
+            "response/length_mean": lengths.mean().item(),
+            "response/truncated_frac": rollout.truncated.float().mean().item(),
+            **mean_metrics(update_metrics),
+            "perf/step_s": step_s,
+            "perf/gen_s": times["gen"],
+            "perf/logprobs_s": times["logprobs"],
+            "perf/update_s": times["update"],
+            "perf/tokens_per_s": lengths.sum().item() * args.world_size / step_s,
+            "perf/peak_mem_gb": peak_memory_gb(device),
+        })
+        logger.log(step, all_reduce_mean(metrics, device))
+        if args.save_every and (step + 1) % args.save_every == 0:
+            last_checkpoint = run_dir / f"step_{step + 1}"
+            if rank == 0:
+                save_checkpoint(policy, tokenizer, last_checkpoint)
+
+    if args.eval_every:
+        logger.log(args.num_steps, evaluate(policy, tokenizer, eval_set, args.chat_template, exact,
+                                            args.max_new_tokens, rank, args.world_size, args.seed))
+    if rank == 0:
+        save_checkpoint(policy, tokenizer, run_dir / "final")
+    print0(f"done: {run_dir / 'final'}")
+    logger.close()
+    cleanup_distributed()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
