@@ -403,20 +403,21 @@ def _token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.
         logits = softcap * torch.tanh(logits / softcap)
     lse = logits.logsumexp(-1)
     logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
-    with torch.no_grad():
-        entropy = lse - (logits.softmax(-1) * logits).sum(-1)
+    with torch.no_grad():  # H = lse - sum_v p_v logit_v, as a batched dot product: no (N, V) product tensor
+        entropy = lse - torch.bmm(logits.softmax(-1)[:, None, :], logits[:, :, None]).view(-1)
     return logprobs, entropy
 
 
 def get_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
-                 temperature: float, chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+                 temperature: float, chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs of the response tokens under `model` (DDP-wrapped or not), and their entropy.
 
     (B, P+L) ids and mask -> logprobs (B, L) in fp32, entropy (B, L) without gradient; both are 0
     after EOS.
     The logit at position t predicts token t+1, so response tokens are scored from the hidden states
     at columns P-1 .. P+L-2. The vocabulary projection runs in chunks of `chunk_size` positions (and is
-    recomputed in the backward pass), so the full (B, L, V) log-softmax never exists at once."""
+    recomputed in the backward pass), so the full (B, L, V) log-softmax never exists at once; by default
+    a chunk holds 2^25 logits (128 MB in fp32: 220 positions of a 151,936-token vocabulary)."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens start at 0
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 output_hidden_states=True, logits_to_keep=1, use_cache=False)
@@ -426,6 +427,7 @@ def get_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
     hf_model = unwrap(model)
     lm_head, softcap = hf_model.get_output_embeddings(), getattr(hf_model.config, "final_logit_softcapping", None)
     hidden, targets = hidden.reshape(B * L, H), targets.reshape(B * L)
+    chunk_size = chunk_size or max(1, 2**25 // lm_head.weight.shape[0])  # positions per chunk
     logprobs, entropy = [], []
     for i in range(0, B * L, chunk_size):
         args = (hidden[i : i + chunk_size], targets[i : i + chunk_size], lm_head, temperature, softcap)

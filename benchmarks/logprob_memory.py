@@ -1,0 +1,101 @@
+"""Peak extra memory of the per-token log-prob path (common.get_logprobs, forward + backward) against a
+naive full fp32 log-softmax, for a vocabulary of 151,936 (Qwen's) at B x T = 8 x 2048.
+
+The model is a 1-layer Qwen3 with a small hidden size: what this measures is the vocabulary projection,
+which does not depend on depth. Each measurement runs in its own process; on CPU the figure is the growth
+of peak resident memory (ru_maxrss) over the process's baseline, on GPU torch's max_memory_allocated.
+
+    python benchmarks/logprob_memory.py                     # chunked path at 8 x 2048, naive at 1 x 2048
+    python benchmarks/logprob_memory.py --naive-batch 8     # the naive path at full size (~20 GB on CPU)
+
+The naive path is measured at --naive-batch rows and scaled linearly to B (its memory is B x T x V floats
+per live tensor), so the comparison runs on a 24 GB machine.
+"""
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def peak_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def measure(mode: str, batch: int, seq: int, vocab: int, hidden: int, device: torch.device) -> float:
+    """GB of peak memory added by one forward + backward of the log-prob path."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from common import get_logprobs
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2,
+                         max_position_embeddings=seq + 1, tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(config).to(device)
+    ids = torch.randint(0, vocab, (batch, seq + 1), device=device)  # 1 prompt token, `seq` response tokens
+    mask = torch.ones_like(ids)
+    if mode == "chunked":  # warm up once at a small size, so one-off allocations are in the baseline
+        get_logprobs(model, ids[:1, :16], mask[:1, :16], 1, 1.0)[0].sum().backward()
+    model.zero_grad(set_to_none=False)  # gradient buffers allocated: part of any training step, not of the path
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+    base = peak_bytes(device) if device.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if mode == "chunked":
+        logprobs, _ = get_logprobs(model, ids, mask, 1, 1.0)
+    else:  # the textbook way: full logits, full fp32 log-softmax, gather
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()  # (B, T, V)
+        logprobs = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    logprobs.sum().backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (peak_bytes(device) - base) / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--naive-batch", type=int, default=1, help="rows for the naive measurement (scaled to --batch)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--one", nargs=2, metavar=("MODE", "BATCH"), help=argparse.SUPPRESS)  # child process
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if args.one:
+        gb = measure(args.one[0], int(args.one[1]), args.seq, args.vocab, args.hidden, device)
+        print(json.dumps({"gb": gb}))
+        return
+
+    def child(mode: str, batch: int) -> float:
+        cmd = [sys.executable, __file__, "--one", mode, str(batch), "--seq", str(args.seq), "--vocab", str(args.vocab),
+               "--hidden", str(args.hidden), "--device", args.device]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        return json.loads(out.strip().splitlines()[-1])["gb"]
+
+    logits_gb = args.batch * args.seq * args.vocab * 4 / 1e9
+    print(f"vocab {args.vocab}, B x T = {args.batch} x {args.seq}, hidden {args.hidden}, {args.device}; "
+          f"one fp32 (B, T, V) tensor is {logits_gb:.2f} GB")
+    chunked = child("chunked", args.batch)
+    print(f"chunked get_logprobs, forward + backward:  {chunked:6.2f} GB extra (target <= 1.5)")
+    naive = child("naive", args.naive_batch)
+    scaled = naive * args.batch / args.naive_batch
+    print(f"naive fp32 log-softmax, forward + backward: {scaled:6.2f} GB extra"
+          + (f" ({naive:.2f} GB measured at B = {args.naive_batch}, scaled x{args.batch / args.naive_batch:g})"
+             if args.naive_batch != args.batch else ""))
+
+
+if __name__ == "__main__":
+    main()
