@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
+from safetensors.torch import load_file
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -113,7 +114,7 @@ class Logger:
 
     SHOWN = ("reward/mean", "eval/accuracy", "eval/accuracy_greedy", "loss/policy", "policy/clipfrac", "perf/step_s")
 
-    def __init__(self, run_dir: Path, config: dict, rank: int, track: bool = False):
+    def __init__(self, run_dir: Path, config: dict, rank: int, track: bool = False, start_step: int = 0):
         self.enabled = rank == 0
         self.wandb = self.tensorboard = None
         if not self.enabled:
@@ -126,7 +127,12 @@ class Logger:
             self.wandb = wandb.init(name=run_dir.name, config=config)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        self.file = open(run_dir / "metrics.jsonl", "a")
+        metrics = run_dir / "metrics.jsonl"
+        if start_step and metrics.exists():  # resumed: drop what the stopped run logged after its checkpoint
+            kept = [line for line in metrics.read_text().splitlines(keepends=True)
+                    if line.endswith("\n") and json.loads(line)["step"] < start_step]
+            metrics.write_text("".join(kept))
+        self.file = open(metrics, "a")
         try:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -623,17 +629,81 @@ def evaluate(model, tokenizer, examples: list[dict], chat_template: bool, exact:
     return {"eval/accuracy": right[0].item(), "eval/accuracy_greedy": right[1].item()}
 
 
-def save_checkpoint(model, tokenizer, path: Path) -> None:
-    """`save_pretrained` of model and tokenizer, written to a temporary folder and then renamed, so a
-    crash never leaves a half-written checkpoint under `path`. Call on rank 0 only."""
+TRAINING_STATE = "training_state.pt"
+
+
+def save_checkpoint(model, tokenizer, path: Path, rank: int = 0, optimizer=None, step: int = 0,
+                    extra: dict | None = None) -> None:
+    """`save_pretrained` of model and tokenizer, written to `<path>.tmp` and then renamed, so a crash
+    never leaves a half-written checkpoint under `path`.
+
+    Without an optimizer: call on rank 0 only. With one, the checkpoint is resumable (`load_checkpoint`):
+    it also holds the optimizer state and the step (training_state.pt), and every rank's RNG state and
+    algorithm state `extra` (rank_<r>.pt); call on every rank then."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    resumable, distributed = optimizer is not None, optimizer is not None and dist.is_initialized()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    if distributed:
+        dist.barrier()  # the folder exists before any rank writes into it
+    if resumable:
+        cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+        torch.save({"rng": torch.get_rng_state(), "cuda_rng": cuda_rng, "extra": extra or {}}, tmp / f"rank_{rank}.pt")
+    if distributed:
+        dist.barrier()  # every rank's file is written before rank 0 renames the folder
+    if rank != 0:
+        return
     unwrap(model).save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    if resumable:
+        world_size = dist.get_world_size() if distributed else 1
+        torch.save({"step": step, "world_size": world_size, "optimizer": optimizer.state_dict()}, tmp / TRAINING_STATE)
     if path.exists():
         shutil.rmtree(path)
     tmp.rename(path)
+
+
+def find_checkpoint(spec: str, run_dir: Path) -> Path:
+    """The checkpoint `--resume` names: a folder written by `save_checkpoint` with an optimizer, or
+    "latest", the one of the highest step under `run_dir` (a `step_N.tmp` folder, left half-written
+    by a crash, is never taken)."""
+    if spec == "latest":
+        found = [p for p in Path(run_dir).glob("step_*") if re.fullmatch(r"step_\d+", p.name)
+                 and (p / TRAINING_STATE).exists()]
+        if not found:
+            raise fail(f"--resume latest: no checkpoint under {run_dir}. Pass the --run-name of the run to "
+                       "continue (its checkpoints are written every --save-every steps), or a checkpoint folder.")
+        return max(found, key=lambda p: int(p.name.split("_")[1]))
+    path = Path(spec)
+    if not (path / TRAINING_STATE).exists():
+        raise fail(f"--resume {spec}: not a resumable checkpoint (no {TRAINING_STATE}). Pass a <run>/step_N "
+                   "folder written by --save-every, or 'latest' with --run-name.")
+    return path
+
+
+def load_checkpoint(path: Path, model, optimizer, rank: int, world_size: int) -> tuple[int, dict]:
+    """Restore what `save_checkpoint` wrote: weights and optimizer state in place, this rank's RNG state.
+    Returns (the step to continue from, this rank's algorithm state)."""
+    state = torch.load(path / TRAINING_STATE, weights_only=False)
+    if state["world_size"] != world_size:
+        raise fail(f"--resume {path}: written by {state['world_size']} rank(s), resumed on {world_size}. "
+                   f"Resume with --nproc_per_node={state['world_size']} (the RNG and data shards are per rank).")
+    weights = {}
+    for file in sorted(path.glob("*.safetensors")):
+        weights.update(load_file(file, device=str(next(unwrap(model).parameters()).device)))
+    missing, unexpected = unwrap(model).load_state_dict(weights, strict=False)
+    tied = set(getattr(unwrap(model), "_tied_weights_keys", None) or ())  # e.g. lm_head = embeddings, not saved
+    if unexpected or set(missing) - tied:
+        raise fail(f"--resume {path}: its weights do not fit --model (missing {sorted(set(missing) - tied)[:3]}, "
+                   f"unexpected {unexpected[:3]}). Resume with the --model the run was started with.")
+    optimizer.load_state_dict(state["optimizer"])
+    own = torch.load(path / f"rank_{rank}.pt", weights_only=False)
+    torch.set_rng_state(own["rng"])
+    if own["cuda_rng"] is not None:
+        torch.cuda.set_rng_state(own["cuda_rng"])
+    return state["step"], own["extra"]
 
 
 @contextlib.contextmanager

@@ -55,9 +55,11 @@ from common import (
     evaluate,
     exact_div,
     fail,
+    find_checkpoint,
     format_prompt,
     generate,
     get_logprobs,
+    load_checkpoint,
     load_data,
     load_model,
     load_reward_fn,
@@ -92,7 +94,9 @@ class Args:
     eval_every: int = 20
     """evaluate on the held-out split every N steps, and at the end (0: never)"""
     save_every: int = 0
-    """save a checkpoint every N steps (0: only at the end)"""
+    """save a resumable checkpoint (weights, optimizer, RNG, step) every N steps (0: only the final weights)"""
+    resume: Optional[str] = None
+    """continue from a checkpoint folder (<run>/step_N), or 'latest' for the newest of --run-name's run"""
 
     # Model & data
     model: str = DEFAULT_MODEL
@@ -133,6 +137,8 @@ class Args:
     """optimizer steps per pass over the rollout"""
     micro_batch_size: Optional[int] = None
     """sequences per forward/backward on each rank, accumulated up to the minibatch (default: the whole minibatch)"""
+    gradient_checkpointing: bool = False
+    """recompute each layer's activations in the backward pass: less activation memory, ~1/3 more compute"""
     max_grad_norm: float = 1.0
     """gradient clipping (verl and the DAPO script use 1.0)"""
     weight_decay: float = 0.0
@@ -216,6 +222,9 @@ def main(args: Args) -> None:
               "--micro-batch-size must divide the sequences per rank and minibatch")
     run_name = args.run_name or f"{Path(__file__).stem}__{args.seed}__{int(time.time())}"
     run_dir = Path(args.output_dir) / run_name
+    resume_dir = find_checkpoint(args.resume, run_dir) if args.resume else None
+    if resume_dir:  # continue in the folder of the run that wrote the checkpoint
+        run_dir = resume_dir.parent
 
     # Data and the user reward are checked before any model is loaded, so bad input fails fast.
     train_set, eval_set = load_data(args.dataset, args.eval_dataset, args.eval_size)
@@ -231,17 +240,26 @@ def main(args: Args) -> None:
     torch.manual_seed(args.seed)
     tokenizer = load_tokenizer(args.model)
     policy = load_model(args.model, args.dtype, device, tokenizer)
+    if args.gradient_checkpointing:  # HF recomputes layers in train mode only (dropout is off: nothing else changes)
+        policy.activation_checkpointing_enable({"use_reentrant": False})
+        policy.train()
     torch.manual_seed(args.seed + rank)
-    model = DDP(policy) if args.world_size > 1 else policy  # DDP averages gradients over ranks
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    logger = Logger(run_dir, asdict(args), rank, args.track)
+    start_step, last_checkpoint, replay = 0, None, []  # replay: (rollout, rewards) of the last --reuse-steps steps
+    if resume_dir:  # weights, optimizer, RNG and step as saved: the run goes on as if it never stopped
+        start_step, extra = load_checkpoint(resume_dir, policy, optimizer, rank, args.world_size)
+        last_checkpoint, replay = resume_dir, extra["replay"]
+    model = DDP(policy) if args.world_size > 1 else policy  # DDP averages gradients over ranks
+    logger = Logger(run_dir, asdict(args), rank, args.track, start_step)
     print0(f"{args.prompts_per_step} prompts x {args.group_size} completions = "
            f"{args.prompts_per_step * args.group_size} sequences per step on {args.world_size} rank(s), "
            f"up to {args.prompts_per_step * args.group_size * args.max_new_tokens} response tokens; "
            f"{args.updates_per_rollout * args.num_minibatches} optimizer steps per rollout")
-    last_checkpoint, replay = None, []  # replay: (rollout, rewards) of the last --reuse-steps steps, newest first
 
-    for step in range(args.num_steps):
+    def extra_state() -> dict:  # what a checkpoint holds beyond weights, optimizer, RNG and step, per rank
+        return {"replay": replay}  # this rank's own groups
+
+    for step in range(start_step, args.num_steps):
         step_start, times, metrics = time.perf_counter(), {}, {}
         if args.eval_every and step % args.eval_every == 0:
             metrics.update(evaluate(policy, tokenizer, eval_set, args.chat_template, exact, args.max_new_tokens,
@@ -334,8 +352,7 @@ def main(args: Args) -> None:
         logger.log(step, all_reduce_mean(metrics, device))
         if args.save_every and (step + 1) % args.save_every == 0:
             last_checkpoint = run_dir / f"step_{step + 1}"
-            if rank == 0:
-                save_checkpoint(policy, tokenizer, last_checkpoint)
+            save_checkpoint(policy, tokenizer, last_checkpoint, rank, optimizer, step + 1, extra_state())
 
     if args.eval_every:
         logger.log(args.num_steps, evaluate(policy, tokenizer, eval_set, args.chat_template, exact,

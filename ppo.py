@@ -51,9 +51,11 @@ from common import (
     evaluate,
     exact_div,
     fail,
+    find_checkpoint,
     format_prompt,
     generate,
     get_logprobs,
+    load_checkpoint,
     load_data,
     load_model,
     load_reward_fn,
@@ -90,7 +92,9 @@ class Args:
     eval_every: int = 20
     """evaluate on the held-out split every N steps, and at the end (0: never)"""
     save_every: int = 0
-    """save a checkpoint every N steps (0: only at the end)"""
+    """save a resumable checkpoint (weights, optimizer, RNG, step) every N steps (0: only the final weights)"""
+    resume: Optional[str] = None
+    """continue from a checkpoint folder (<run>/step_N), or 'latest' for the newest of --run-name's run"""
 
     # Model & data
     model: str = DEFAULT_MODEL
@@ -131,6 +135,8 @@ class Args:
     """optimizer steps per pass over the rollout"""
     micro_batch_size: Optional[int] = None
     """sequences per forward/backward on each rank, accumulated up to the minibatch (default: the whole minibatch)"""
+    gradient_checkpointing: bool = False
+    """recompute each layer's activations in the backward pass: less activation memory, ~1/3 more compute"""
     max_grad_norm: float = 1.0
     """gradient clipping (verl and the DAPO script use 1.0)"""
     weight_decay: float = 0.0
@@ -339,6 +345,9 @@ def main(args: Args) -> None:
               "--micro-batch-size must divide the sequences per rank and minibatch")
     run_name = args.run_name or f"{Path(__file__).stem}__{args.seed}__{int(time.time())}"
     run_dir = Path(args.output_dir) / run_name
+    resume_dir = find_checkpoint(args.resume, run_dir) if args.resume else None
+    if resume_dir:  # continue in the folder of the run that wrote the checkpoint
+        run_dir = resume_dir.parent
 
     # Data and the user reward are checked before any model is loaded, so bad input fails fast.
     train_set, eval_set = load_data(args.dataset, args.eval_dataset, args.eval_size)
@@ -357,6 +366,9 @@ def main(args: Args) -> None:
                    "policy's tokens. Pass --critic-model with a model that shares --model's tokenizer "
                    "(e.g. --critic-model <the --model path>).")
     policy = load_model(args.model, args.dtype, device, tokenizer)
+    if args.gradient_checkpointing:  # HF recomputes layers in train mode only (dropout is off: nothing else changes)
+        policy.activation_checkpointing_enable({"use_reentrant": False})
+        policy.train()
     ref_policy = None
     if args.beta > 0 or args.target_kl:  # the frozen initial policy; not loaded at all when the KL is off
         torch.manual_seed(args.seed)
@@ -366,22 +378,32 @@ def main(args: Args) -> None:
         reward_model, rm_tokenizer = load_reward_model(args.reward_model, args.dtype, device)
     torch.manual_seed(args.seed)
     critic = Critic(load_model(critic_path, args.dtype, device, tokenizer, AutoModel, flag))
+    if args.gradient_checkpointing:
+        critic.backbone.activation_checkpointing_enable({"use_reentrant": False})
+        critic.train()
     torch.manual_seed(args.seed + rank)
-    model = DDP(policy) if args.world_size > 1 else policy  # DDP averages gradients over ranks
-    critic_model = DDP(critic) if args.world_size > 1 else critic
     optimizer = torch.optim.AdamW([  # one optimizer, two parameter groups: the critic has its own rate
         {"params": policy.parameters()},
         {"params": critic.parameters(), "lr": args.critic_learning_rate or args.learning_rate},
     ], lr=args.learning_rate, weight_decay=args.weight_decay)
-    beta = args.beta
-    logger = Logger(run_dir, asdict(args), rank, args.track)
+    start_step, last_checkpoint, beta = 0, None, args.beta
+    if resume_dir:  # weights, optimizer, RNG and step as saved: the run goes on as if it never stopped
+        start_step, extra = load_checkpoint(resume_dir, policy, optimizer, rank, args.world_size)
+        last_checkpoint, beta = resume_dir, extra["beta"]
+        if rank == 0:  # the critic is saved once, by rank 0; DDP copies rank 0's weights when it wraps
+            critic.load_state_dict(extra["critic"])
+    model = DDP(policy) if args.world_size > 1 else policy  # DDP averages gradients over ranks
+    critic_model = DDP(critic) if args.world_size > 1 else critic
+    logger = Logger(run_dir, asdict(args), rank, args.track, start_step)
     print0(f"{args.prompts_per_step} prompts x {args.group_size} completions = "
            f"{args.prompts_per_step * args.group_size} sequences per step on {args.world_size} rank(s), "
            f"up to {args.prompts_per_step * args.group_size * args.max_new_tokens} response tokens; "
            f"{args.updates_per_rollout * args.num_minibatches} optimizer steps per rollout")
-    last_checkpoint = None
 
-    for step in range(args.num_steps):
+    def extra_state() -> dict:  # what a checkpoint holds beyond weights, optimizer, RNG and step, per rank
+        return {"beta": beta, **({"critic": critic.state_dict()} if rank == 0 else {})}
+
+    for step in range(start_step, args.num_steps):
         step_start, times, metrics = time.perf_counter(), {}, {}
         if args.eval_every and step % args.eval_every == 0:
             metrics.update(evaluate(policy, tokenizer, eval_set, args.chat_template, exact, args.max_new_tokens,
@@ -497,8 +519,7 @@ def main(args: Args) -> None:
         logger.log(step, all_reduce_mean(metrics, device))
         if args.save_every and (step + 1) % args.save_every == 0:
             last_checkpoint = run_dir / f"step_{step + 1}"
-            if rank == 0:
-                save_checkpoint(policy, tokenizer, last_checkpoint)
+            save_checkpoint(policy, tokenizer, last_checkpoint, rank, optimizer, step + 1, extra_state())
 
     if args.eval_every:
         logger.log(args.num_steps, evaluate(policy, tokenizer, eval_set, args.chat_template, exact,

@@ -257,3 +257,28 @@ def test_cat_and_select_rollouts_keep_rows_and_logprobs(model, tokenizer):
     picked = select_rows(both, torch.tensor([False, True, False, False, True, False]))
     assert picked.texts == [both.texts[1], both.texts[4]]
     assert torch.equal(picked.input_ids, both.input_ids[[1, 4]])
+
+
+def test_gradient_checkpointing_keeps_only_layer_inputs_in_train_mode(tokenizer):
+    """What --gradient-checkpointing does: in train mode the forward keeps far fewer tensors for the
+    backward pass (each layer's input; the rest is recomputed), in eval mode HF ignores it (why the
+    algorithm files call .train()), and sampling, without gradients, still uses the KV cache."""
+    model = load_model(DEFAULT_MODEL, "float32", torch.device("cpu"), tokenizer)
+    rollout = generate(model, tokenizer, [format_prompt(tokenizer, "1+2", True)], 2, 4, 1.0)
+
+    def saved_for_backward() -> int:
+        count = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: count.append(1) or t, lambda t: t):
+            get_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_length, 1.0)
+        return len(count)
+
+    plain = saved_for_backward()
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    assert saved_for_backward() == plain  # eval mode: no checkpointing
+    model.train()
+    assert saved_for_backward() < plain / 4
+    calls = []
+    handle = model.model.layers[0].mlp.register_forward_hook(lambda *_: calls.append(1))
+    generate(model, tokenizer, [format_prompt(tokenizer, "1+2", True)], 2, 4, 1.0)
+    handle.remove()
+    assert len(calls) <= 4  # one forward per new token at most: the KV cache was used

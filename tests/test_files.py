@@ -17,7 +17,7 @@ ALGORITHM_REGIONS = [
     ("    # Algorithm", "    # Computed at runtime"),  # the Algorithm block of Args
     ("# 2. Algorithm", "# 3. Training"),  # the pure functions
     ("    if args.group_size < 2:", "    args.local_prompts_per_step ="),  # its own start-up checks
-    ("    # Same seed on every rank while loading", "    for step in range(args.num_steps):"),  # models
+    ("    # Same seed on every rank while loading", "    for step in range(start_step, args.num_steps):"),  # models
     ("        # 1. sample prompts", "        # 7. log, evaluate, checkpoint"),  # sampling to the update
 ]
 

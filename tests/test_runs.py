@@ -73,6 +73,16 @@ def test_two_ranks_and_micro_batches_give_the_same_update(tmp_path, mixed_datase
         # (loss/policy is a mean of micro-batch means: for token-mean losses it depends on the split)
 
 
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_gradient_checkpointing_gives_the_same_update(tmp_path, mixed_dataset, algo):
+    """Recomputing activations in the backward pass changes memory, not the step (ppo.py: the critic's too)."""
+    base, base_m = one_step(tmp_path, algo, "plain", mixed_dataset, ["--micro-batch-size", "16"])
+    new, m = one_step(tmp_path, algo, "ckpt", mixed_dataset, ["--micro-batch-size", "16", "--gradient-checkpointing"])
+    assert max_relative_difference(base, new) <= 1e-6
+    for key in ["policy/grad_norm", "algo/value_grad_norm"] if algo == "ppo" else ["policy/grad_norm"]:
+        assert m[key] == pytest.approx(base_m[key], rel=1e-6), key
+
+
 # --- bad input: one clear message, before any training work, nothing written ---------------------
 
 
