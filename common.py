@@ -26,6 +26,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -226,8 +235,33 @@ def load_model(name: str, dtype: str, device: torch.device, tokenizer, auto_clas
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The Hugging Face model inside a DDP wrapper."""
+    """The Hugging Face model inside a DDP wrapper (FSDP2 shards in place: nothing to unwrap)."""
     return getattr(model, "module", model)
+
+
+def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """FSDP2, in place: each decoder layer (the model's `_no_split_modules` classes) and then the rest
+    (embeddings, final norm, LM head or value head) are sharded over all ranks; each forward all-gathers
+    one layer at a time, each backward reduce-scatters (averages) its gradients. On GPU the shards are
+    fp32 master weights and the compute is bf16, with gradients reduced in fp32."""
+    if device.type == "cuda":
+        model.float()
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        mp = MixedPrecisionPolicy()
+    layer_classes = set()
+    for module in model.modules():
+        layer_classes |= set(getattr(module, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if type(module).__name__ in layer_classes:
+            fully_shard(module, mp_policy=mp)
+    return fully_shard(model, mp_policy=mp)
+
+
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """`clip_grad_norm_` that returns the total norm as a plain tensor, also for FSDP's sharded gradients."""
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,8 +412,11 @@ def generate(model, tokenizer, prompts: list[str], group_size: int, max_new_toke
     prompt_mask = enc.attention_mask.repeat_interleave(group_size, dim=0)
     eos_ids = eos_token_ids(model, tokenizer)
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    # Under FSDP every forward is collective: a rank whose completions all ended keeps stepping with
+    # the others (synced_gpus) instead of leaving them waiting for its shards.
+    synced = dist.is_initialized() and isinstance(unwrap(model), FSDPModule)
     out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens,
-                         eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, **sampling)
+                         eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, synced_gpus=synced, **sampling)
     P = prompt_ids.shape[1]
     response = out[:, P:]  # (B, L); HF pads after EOS with pad_token_id
     is_eos = torch.isin(response, torch.tensor(eos_ids, device=response.device))
@@ -616,15 +653,18 @@ def evaluate(model, tokenizer, examples: list[dict], chat_template: bool, exact:
     depends on nor disturbs the training RNG."""
     shard = examples[rank::world_size]
     right = torch.zeros(2, dtype=torch.float64, device=model.device)
+    largest = -(-len(examples) // world_size)  # every rank runs as many batches (FSDP's forward is collective)
     with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []):
         torch.manual_seed(seed + rank)
-        for i in range(0, len(shard), batch_size):
-            batch = shard[i : i + batch_size]
+        for i in range(0, largest, batch_size):
+            batch, counted = shard[i : i + batch_size], True
+            if not batch:  # this rank's shard is one example short: generate for nothing, count nothing
+                batch, counted = examples[:1], False
             prompts = [format_prompt(tokenizer, e["prompt"], chat_template) for e in batch]
             answers = [e["answer"] for e in batch]
             for j, greedy in enumerate((False, True)):
                 texts = generate(model, tokenizer, prompts, 1, max_new_tokens, 1.0, greedy=greedy).texts
-                right[j] += correctness_reward(texts, answers, exact).sum().item()
+                right[j] += correctness_reward(texts, answers, exact).sum().item() * counted
     right = all_reduce_sum(right) / len(examples)
     return {"eval/accuracy": right[0].item(), "eval/accuracy_greedy": right[1].item()}
 
@@ -635,31 +675,38 @@ TRAINING_STATE = "training_state.pt"
 def save_checkpoint(model, tokenizer, path: Path, rank: int = 0, optimizer=None, step: int = 0,
                     extra: dict | None = None) -> None:
     """`save_pretrained` of model and tokenizer, written to `<path>.tmp` and then renamed, so a crash
-    never leaves a half-written checkpoint under `path`.
+    never leaves a half-written checkpoint under `path`. Call on every rank: under FSDP the full weights
+    are gathered from the shards (to rank 0's CPU memory), and only rank 0 writes.
 
-    Without an optimizer: call on rank 0 only. With one, the checkpoint is resumable (`load_checkpoint`):
-    it also holds the optimizer state and the step (training_state.pt), and every rank's RNG state and
-    algorithm state `extra` (rank_<r>.pt); call on every rank then."""
+    With an optimizer, the checkpoint is resumable (`load_checkpoint`): it also holds the optimizer
+    state and the step (training_state.pt), and every rank's RNG state and algorithm state `extra`
+    (rank_<r>.pt)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    resumable, distributed = optimizer is not None, optimizer is not None and dist.is_initialized()
+    distributed, sharded = dist.is_initialized(), isinstance(unwrap(model), FSDPModule)
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=full) if sharded else None  # collective: every rank
+    optimizer_state = None
+    if optimizer is not None:
+        optimizer_state = (get_optimizer_state_dict(model, optimizer, options=full) if sharded
+                           else optimizer.state_dict())
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     if distributed:
         dist.barrier()  # the folder exists before any rank writes into it
-    if resumable:
+    if optimizer is not None:
         cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
         torch.save({"rng": torch.get_rng_state(), "cuda_rng": cuda_rng, "extra": extra or {}}, tmp / f"rank_{rank}.pt")
     if distributed:
         dist.barrier()  # every rank's file is written before rank 0 renames the folder
     if rank != 0:
         return
-    unwrap(model).save_pretrained(tmp)
+    unwrap(model).save_pretrained(tmp, state_dict=weights)
     tokenizer.save_pretrained(tmp)
-    if resumable:
+    if optimizer is not None:
         world_size = dist.get_world_size() if distributed else 1
-        torch.save({"step": step, "world_size": world_size, "optimizer": optimizer.state_dict()}, tmp / TRAINING_STATE)
+        torch.save({"step": step, "world_size": world_size, "optimizer": optimizer_state}, tmp / TRAINING_STATE)
     if path.exists():
         shutil.rmtree(path)
     tmp.rename(path)
@@ -690,15 +737,22 @@ def load_checkpoint(path: Path, model, optimizer, rank: int, world_size: int) ->
     if state["world_size"] != world_size:
         raise fail(f"--resume {path}: written by {state['world_size']} rank(s), resumed on {world_size}. "
                    f"Resume with --nproc_per_node={state['world_size']} (the RNG and data shards are per rank).")
-    weights = {}
+    hf_model, weights = unwrap(model), {}
     for file in sorted(path.glob("*.safetensors")):
-        weights.update(load_file(file, device=str(next(unwrap(model).parameters()).device)))
-    missing, unexpected = unwrap(model).load_state_dict(weights, strict=False)
-    tied = set(getattr(unwrap(model), "_tied_weights_keys", None) or ())  # e.g. lm_head = embeddings, not saved
-    if unexpected or set(missing) - tied:
-        raise fail(f"--resume {path}: its weights do not fit --model (missing {sorted(set(missing) - tied)[:3]}, "
+        weights.update(load_file(file))
+    tied = set(getattr(hf_model, "_tied_weights_keys", None) or ())  # e.g. lm_head = embeddings, not saved
+    expected = set(get_model_state_dict(model)) if isinstance(hf_model, FSDPModule) else set(hf_model.state_dict())
+    missing, unexpected = expected - set(weights) - tied, sorted(set(weights) - expected)
+    if missing or unexpected:
+        raise fail(f"--resume {path}: its weights do not fit --model (missing {sorted(missing)[:3]}, "
                    f"unexpected {unexpected[:3]}). Resume with the --model the run was started with.")
-    optimizer.load_state_dict(state["optimizer"])
+    if isinstance(hf_model, FSDPModule):  # every rank holds the full state and keeps its own shards of it
+        full = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(model, weights, options=full)
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=full)
+    else:
+        hf_model.load_state_dict(weights, strict=False)
+        optimizer.load_state_dict(state["optimizer"])
     own = torch.load(path / f"rank_{rank}.pt", weights_only=False)
     torch.set_rng_state(own["rng"])
     if own["cuda_rng"] is not None:

@@ -50,6 +50,7 @@ from common import (
     all_reduce_sum,
     cat_rollouts,
     cleanup_distributed,
+    clip_grad_norm,
     evaluate,
     exact_div,
     fail,
@@ -71,6 +72,7 @@ from common import (
     score,
     select_rows,
     setup_distributed,
+    shard_model,
     timed,
 )
 
@@ -136,6 +138,8 @@ class Args:
     """optimizer steps per pass over the rollout"""
     micro_batch_size: Optional[int] = None
     """sequences per forward/backward on each rank, accumulated up to the minibatch (default: the whole minibatch)"""
+    fsdp: bool = False
+    """shard weights, gradients and optimizer state over the ranks (FSDP2; bf16 compute on GPU) instead of DDP"""
     gradient_checkpointing: bool = False
     """recompute each layer's activations in the backward pass: less activation memory, ~1/3 more compute"""
     max_grad_norm: float = 1.0
@@ -236,6 +240,8 @@ def main(args: Args) -> None:
     rank, args.world_size, device = setup_distributed()
     if args.group_size < 2:
         raise fail(f"--group-size {args.group_size}: group advantages need at least 2 completions per prompt.")
+    if args.fsdp and args.world_size < 2:
+        raise fail("--fsdp shards the model over ranks: launch with torchrun --nproc_per_node=2 or more.")
     args.local_prompts_per_step = exact_div(
         args.prompts_per_step, args.world_size, "--prompts-per-step must be divisible by the number of ranks")
     args.local_batch_size = args.local_prompts_per_step * args.group_size
@@ -267,13 +273,15 @@ def main(args: Args) -> None:
     if args.gradient_checkpointing:  # HF recomputes layers in train mode only (dropout is off: nothing else changes)
         policy.activation_checkpointing_enable({"use_reentrant": False})
         policy.train()
+    if args.fsdp:  # sharded in place; FSDP2 averages gradients over ranks, as DDP does
+        shard_model(policy, device)
     torch.manual_seed(args.seed + rank)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     start_step, last_checkpoint, draw = 0, None, 0  # draw: prompt batches taken (dynamic sampling: several a step)
     if resume_dir:  # weights, optimizer, RNG and step as saved: the run goes on as if it never stopped
         start_step, extra = load_checkpoint(resume_dir, policy, optimizer, rank, args.world_size)
         last_checkpoint, draw = resume_dir, extra["draw"]
-    model = DDP(policy) if args.world_size > 1 else policy  # DDP averages gradients over ranks
+    model = DDP(policy) if args.world_size > 1 and not args.fsdp else policy  # averages gradients over ranks
     logger = Logger(run_dir, asdict(args), rank, args.track, start_step)
     print0(f"{args.prompts_per_step} prompts x {args.group_size} completions = "
            f"{args.prompts_per_step * args.group_size} sequences per step on {args.world_size} rank(s), "
@@ -356,7 +364,7 @@ def main(args: Args) -> None:
                         idx = mb_idx[micro : micro + args.micro_batch_size]
                         last = k == len(micro_starts) - 1
                         # Sync gradients over ranks once per optimizer step, on the last micro-batch.
-                        with model.no_sync() if args.world_size > 1 and not last else nullcontext():
+                        with model.no_sync() if isinstance(model, DDP) and not last else nullcontext():
                             logprobs, entropy = get_logprobs(model, b_ids[idx], b_attention_mask[idx],
                                                              prompt_length, args.temperature)
                             loss, mb_metrics = compute_loss(
@@ -366,7 +374,7 @@ def main(args: Args) -> None:
                         mb_metrics["policy/entropy"] = ((entropy * b_response_mask[idx]).sum() /
                                                         b_response_mask[idx].sum().clamp(min=1)).item()
                         update_metrics.append(mb_metrics)
-                    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                    grad_norm = clip_grad_norm(policy.parameters(), args.max_grad_norm)
                     if not torch.isfinite(grad_norm):  # same value on every rank: gradients are synced
                         raise fail(f"step {step}: non-finite gradient norm ({grad_norm.item()}); stopped before "
                                    f"the optimizer step. Last checkpoint: {last_checkpoint or 'none'}. "
@@ -400,12 +408,11 @@ def main(args: Args) -> None:
     if args.eval_every:
         logger.log(args.num_steps, evaluate(policy, tokenizer, eval_set, args.chat_template, exact,
                                             args.max_new_tokens, rank, args.world_size, args.seed))
-    if rank == 0:
-        save_checkpoint(policy, tokenizer, run_dir / "final")
+    save_checkpoint(policy, tokenizer, run_dir / "final", rank)
     print0(f"done: {run_dir / 'final'}")
     logger.close()
-    cleanup_distributed()
 
 
 if __name__ == "__main__":
     main(tyro.cli(Args))
+    cleanup_distributed()  # once main has returned: its DDP wrappers are freed before the process group

@@ -48,6 +48,7 @@ from common import (
     all_reduce_mean,
     all_reduce_sum,
     cleanup_distributed,
+    clip_grad_norm,
     evaluate,
     exact_div,
     fail,
@@ -70,6 +71,7 @@ from common import (
     save_checkpoint,
     score,
     setup_distributed,
+    shard_model,
     timed,
 )
 
@@ -135,6 +137,8 @@ class Args:
     """optimizer steps per pass over the rollout"""
     micro_batch_size: Optional[int] = None
     """sequences per forward/backward on each rank, accumulated up to the minibatch (default: the whole minibatch)"""
+    fsdp: bool = False
+    """shard weights, gradients and optimizer state over the ranks (FSDP2; bf16 compute on GPU) instead of DDP"""
     gradient_checkpointing: bool = False
     """recompute each layer's activations in the backward pass: less activation memory, ~1/3 more compute"""
     max_grad_norm: float = 1.0
@@ -332,8 +336,12 @@ def main(args: Args) -> None:
     rank, args.world_size, device = setup_distributed()
     if args.group_size < 1:
         raise fail(f"--group-size {args.group_size}: sample at least 1 completion per prompt.")
+    if args.fsdp and (args.save_every or args.resume):  # policy and critic share one optimizer: not yet saved
+        raise fail("ppo.py: --fsdp runs save only the final weights for now: drop --save-every / --resume.")
     if args.target_kl is not None and args.target_kl <= 0:
         raise fail(f"--target-kl {args.target_kl}: must be positive (or leave it out to keep --beta fixed).")
+    if args.fsdp and args.world_size < 2:
+        raise fail("--fsdp shards the model over ranks: launch with torchrun --nproc_per_node=2 or more.")
     args.local_prompts_per_step = exact_div(
         args.prompts_per_step, args.world_size, "--prompts-per-step must be divisible by the number of ranks")
     args.local_batch_size = args.local_prompts_per_step * args.group_size
@@ -381,6 +389,10 @@ def main(args: Args) -> None:
     if args.gradient_checkpointing:
         critic.backbone.activation_checkpointing_enable({"use_reentrant": False})
         critic.train()
+    if args.fsdp:  # sharded in place; FSDP2 averages gradients over ranks, as DDP does
+        for module in (policy, ref_policy, critic):
+            if module is not None:
+                shard_model(module, device)
     torch.manual_seed(args.seed + rank)
     optimizer = torch.optim.AdamW([  # one optimizer, two parameter groups: the critic has its own rate
         {"params": policy.parameters()},
@@ -392,8 +404,8 @@ def main(args: Args) -> None:
         last_checkpoint, beta = resume_dir, extra["beta"]
         if rank == 0:  # the critic is saved once, by rank 0; DDP copies rank 0's weights when it wraps
             critic.load_state_dict(extra["critic"])
-    model = DDP(policy) if args.world_size > 1 else policy  # DDP averages gradients over ranks
-    critic_model = DDP(critic) if args.world_size > 1 else critic
+    model = DDP(policy) if args.world_size > 1 and not args.fsdp else policy  # averages gradients over ranks
+    critic_model = DDP(critic) if args.world_size > 1 and not args.fsdp else critic
     logger = Logger(run_dir, asdict(args), rank, args.track, start_step)
     print0(f"{args.prompts_per_step} prompts x {args.group_size} completions = "
            f"{args.prompts_per_step * args.group_size} sequences per step on {args.world_size} rank(s), "
@@ -474,7 +486,7 @@ def main(args: Args) -> None:
                         idx = mb_idx[micro : micro + args.micro_batch_size]
                         last = k == len(micro_starts) - 1
                         # Sync gradients over ranks once per optimizer step, on the last micro-batch.
-                        no_sync = args.world_size > 1 and not last
+                        no_sync = isinstance(model, DDP) and not last
                         with model.no_sync() if no_sync else nullcontext(), \
                                 critic_model.no_sync() if no_sync else nullcontext():
                             logprobs, entropy = get_logprobs(model, b_ids[idx], b_attention_mask[idx],
@@ -488,8 +500,8 @@ def main(args: Args) -> None:
                         mb_metrics["policy/entropy"] = ((entropy * b_response_mask[idx]).sum() /
                                                         b_response_mask[idx].sum().clamp(min=1)).item()
                         update_metrics.append(mb_metrics)
-                    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                    value_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+                    grad_norm = clip_grad_norm(policy.parameters(), args.max_grad_norm)
+                    value_grad_norm = clip_grad_norm(critic.parameters(), args.max_grad_norm)
                     if not (torch.isfinite(grad_norm) and torch.isfinite(value_grad_norm)):  # synced: same everywhere
                         raise fail(f"step {step}: non-finite gradient norm (policy {grad_norm.item()}, critic "
                                    f"{value_grad_norm.item()}); stopped before the optimizer step. Last checkpoint: "
@@ -524,12 +536,11 @@ def main(args: Args) -> None:
     if args.eval_every:
         logger.log(args.num_steps, evaluate(policy, tokenizer, eval_set, args.chat_template, exact,
                                             args.max_new_tokens, rank, args.world_size, args.seed))
-    if rank == 0:
-        save_checkpoint(policy, tokenizer, run_dir / "final")
+    save_checkpoint(policy, tokenizer, run_dir / "final", rank)
     print0(f"done: {run_dir / 'final'}")
     logger.close()
-    cleanup_distributed()
 
 
 if __name__ == "__main__":
     main(tyro.cli(Args))
+    cleanup_distributed()  # once main has returned: its DDP wrappers are freed before the process group

@@ -17,7 +17,7 @@ import torch
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the algorithm files and common.py
-from common import cat_rollouts  # noqa: E402
+from common import cat_rollouts, cleanup_distributed  # noqa: E402
 from common import generate as real_generate  # noqa: E402
 
 
@@ -33,3 +33,4 @@ if __name__ == "__main__":
     module = importlib.import_module(sys.argv[1])
     module.generate = pinned_generate
     module.main(tyro.cli(module.Args, args=sys.argv[2:]))
+    cleanup_distributed()

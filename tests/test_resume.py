@@ -83,13 +83,16 @@ def test_bad_resume_stops_before_any_work(tmp_path, resume, message):
     assert not (tmp_path / "runs").exists()
 
 
-def test_two_rank_run_resumed_from_a_checkpoint_matches(tmp_path):
-    """On 2 ranks each rank restores its own RNG state (its own sampling stream): a copy of a finished
-    run, cut back to its step-4 checkpoint and resumed, ends where the original ended, bitwise."""
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_rank_run_resumed_from_a_checkpoint_matches(tmp_path, mode):
+    """On 2 ranks each rank restores its own RNG state (its own sampling stream), and under FSDP its
+    shards of the gathered weights and optimizer state: a copy of a finished run, cut back to its
+    step-4 checkpoint and resumed, ends where the original ended, bitwise."""
     import shutil
 
     args = ["grpo.py", "--num-steps", "6", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "3",
             "--eval-size", "16", "--save-every", "2", "--output-dir", str(tmp_path)]
+    args += ["--fsdp"] if mode == "fsdp" else []
     assert run([*args, "--run-name", "whole"], cwd=tmp_path, torchrun=2).returncode == 0
     shutil.copytree(tmp_path / "whole", tmp_path / "cut")
     for name in ["final", "step_6"]:

@@ -40,6 +40,32 @@ def test_torchrun_two_ranks_smoke(tmp_path):
     assert result.stdout.count("step    1 |") == 1  # rank 0 logs, rank 1 is quiet
 
 
+def test_fsdp_two_ranks_smoke(tmp_path):
+    """--fsdp on 2 ranks: sampling where the ranks' completions end at different steps, an evaluation
+    whose shards need different numbers of batches (513 prompts: 257 and 256, batches of 256), and a
+    final checkpoint gathered from the shards that loads with from_pretrained."""
+    from transformers import AutoModelForCausalLM
+
+    result = run(["grpo.py", *FAST[:6], "--eval-every", "2", "--eval-size", "513", "--fsdp", "--output-dir",
+                  str(tmp_path), "--run-name", "fsdp"], cwd=tmp_path, torchrun=2, timeout=300)
+    assert result.returncode == 0, result.stderr
+    metrics = read_metrics(tmp_path / "fsdp")
+    assert [m["step"] for m in metrics] == [0, 1, 2] and 0 < metrics[-1]["eval/accuracy"] < 1
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp" / "final")
+    assert model.config.architectures == ["Qwen3ForCausalLM"]
+    initial = load_file(Path(grpo.DEFAULT_MODEL) / "model.safetensors")
+    assert max_relative_difference(initial, load_file(tmp_path / "fsdp" / "final" / "model.safetensors")) > 1e-4
+
+
+def test_fsdp_generation_waits_for_the_slowest_rank(tmp_path):
+    """Under FSDP every forward is collective: when one rank's completions end first, it keeps stepping
+    with the other (synced_gpus), so the collective that follows generation meets its partner."""
+    result = run(["tests/fsdp_generate.py"], cwd=tmp_path, torchrun=2, timeout=60)
+    assert result.returncode == 0, result.stderr
+    lengths = sorted(int(line.split()[-2]) for line in result.stdout.splitlines() if line.startswith("rank"))
+    assert len(lengths) == 2 and lengths[0] < lengths[1]  # the ranks really finished at different steps
+
+
 def one_step(tmp_path: Path, algo: str, name: str, dataset: Path, extra: list[str], torchrun: int = 0):
     """One rollout (2 optimizer updates) with sampling pinned per prompt; returns (new weights, metrics)."""
     args = ["tests/pinned_run.py", algo, "--dataset", str(dataset), "--eval-size", "4", "--num-steps", "1",
@@ -56,15 +82,18 @@ def max_relative_difference(a: dict, b: dict) -> float:
 
 @pytest.mark.parametrize("algo", ALGORITHMS)
 def test_two_ranks_and_micro_batches_give_the_same_update(tmp_path, mixed_dataset, algo):
-    """The same global batch gives the same new weights with 1 process, 2 DDP ranks, or 4 micro-batches
-    (relative difference <= 1e-5), and the same gradient norm (which Adam's scale invariance would hide:
-    a normaliser off by a constant factor changes the gradient norm, not Adam's step)."""
+    """The same global batch gives the same new weights with 1 process, 2 DDP ranks, 4 micro-batches, or
+    2 FSDP ranks of 2 micro-batches (relative difference <= 1e-5), and the same gradient norm (which
+    Adam's scale invariance would hide: a normaliser off by a constant factor changes the gradient norm,
+    not Adam's step)."""
     initial = load_file(Path(grpo.DEFAULT_MODEL) / "model.safetensors")
     base, base_m = one_step(tmp_path, algo, "one", mixed_dataset, ["--micro-batch-size", "32"])
     assert max_relative_difference(initial, base) > 1e-3  # the step really moved the weights
     assert base_m.get("algo/kept_groups_frac", 1.0) == 1.0  # every group of the batch is trained on
-    for name, extra, torchrun in [("ddp", ["--micro-batch-size", "16"], 2), ("micro", ["--micro-batch-size", "8"], 0)]:
+    for name, extra, torchrun in [("ddp", ["--micro-batch-size", "16"], 2), ("micro", ["--micro-batch-size", "8"], 0),
+                                  ("fsdp", ["--micro-batch-size", "8", "--fsdp"], 2)]:
         new, m = one_step(tmp_path, algo, name, mixed_dataset, extra, torchrun)
+        print(json.dumps({"algo": algo, "mode": name, "max_relative_difference": max_relative_difference(base, new)}))
         assert max_relative_difference(base, new) <= 1e-5, name
         assert m["policy/grad_norm"] == pytest.approx(base_m["policy/grad_norm"], rel=1e-5), name
         if algo == "ppo":  # the critic's update too (mean of the 2 optimizer steps' gradient norms)

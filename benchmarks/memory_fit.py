@@ -1,0 +1,182 @@
+"""What fits: peak memory per GPU of grpo.py's training step, from parameter, gradient, optimizer-state,
+activation and KV-cache bytes, for DDP and --fsdp, with and without --gradient-checkpointing; and the
+same formula checked against measured peak memory of real training steps at tiny shapes on CPU.
+
+    python benchmarks/memory_fit.py            # the table in the README
+    python benchmarks/memory_fit.py --check    # formula vs measured peak RSS on CPU (a few minutes)
+
+The formula (bytes per GPU; N parameters, w bytes per weight; W ranks; b sequences of s tokens per
+micro-batch; L layers, hidden H, MLP width I, vocabulary V):
+    DDP   static = 4 w N (weights, gradients, AdamW's two moments) + w N (DDP's gradient buckets, W > 1)
+                   + w N (the frozen reference, beta > 0)
+    FSDP  static = 16 N / W (fp32 master weights, gradients, moments, sharded) + 4 N / W (reference)
+                   + 2 (V H (1 + untied) + 2 layer) (the root's and two layers' bf16 copies, unsharded)
+    activations  = L b s a   without checkpointing,   L b s H w + b s a   with it,
+                   a = (12 H + 4 I) w per token and layer (what autograd saves in a Qwen layer with
+                   SDPA attention: measured by --check with saved-tensor hooks), + 0.8 GB for the
+                   chunked log-prob head (benchmarks/logprob_memory.py)
+    KV cache     = 2 L n_kv d_head (P + T) w per sequence, for the rank's whole rollout while sampling
+    peak         = static + max(KV cache, activations)
+Not counted: the CUDA context and allocator fragmentation (keep ~10% free), a reward model or critic
+(ppo.py: the critic adds a second policy's static bytes).
+"""
+
+import argparse
+import resource
+import subprocess
+import sys
+from dataclasses import dataclass
+
+GB = 1e9
+
+
+@dataclass
+class Shape:
+    name: str
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int = 151936
+    tied: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def params(self) -> int:
+        H, mlp, kv = self.hidden, self.intermediate, self.kv_heads * self.head_dim
+        layer = H * H * 2 + H * kv * 2 + 3 * H * mlp + 2 * H  # q, o; k, v; gate, up, down; two norms
+        return self.layers * layer + self.vocab * H * (1 if self.tied else 2) + H
+
+
+# Qwen2.5 shapes (layers, hidden, MLP, heads, KV heads; from the published configs, recalled, not read here)
+QWEN = [
+    Shape("0.5B", 24, 896, 4864, 14, 2, tied=True),
+    Shape("1.5B", 28, 1536, 8960, 12, 2, tied=True),
+    Shape("3B", 36, 2048, 11008, 16, 2, tied=True),
+    Shape("7B", 28, 3584, 18944, 28, 4),
+    Shape("14B", 48, 5120, 13824, 40, 8),
+    Shape("32B", 64, 5120, 27648, 40, 8),
+]
+
+
+def activation_bytes(shape: Shape, tokens: int, w: int, checkpointing: bool) -> float:
+    per_layer = (12 * shape.hidden + 4 * shape.intermediate) * w * tokens
+    if checkpointing:
+        return shape.layers * shape.hidden * w * tokens + per_layer
+    return shape.layers * per_layer
+
+
+def peak_bytes(shape: Shape, fsdp: bool, ranks: int, checkpointing: bool, micro_batch: int, seq: int,
+               rollout_seqs: int, w: int = 2, reference: bool = True, logprob_head: float = 0.8 * GB) -> float:
+    N = shape.params
+    if fsdp:
+        static = 16 * N / ranks + (4 * N / ranks if reference else 0)
+        layer = (N - shape.vocab * shape.hidden * (1 if shape.tied else 2)) / shape.layers
+        static += 2 * (shape.vocab * shape.hidden * (1 if shape.tied else 2) + 2 * layer)
+    else:
+        static = 4 * w * N + (w * N if ranks > 1 else 0) + (w * N if reference else 0)
+    kv_cache = 2 * shape.layers * shape.kv_heads * shape.head_dim * seq * w * rollout_seqs / ranks
+    train = activation_bytes(shape, micro_batch * seq, w, checkpointing) + logprob_head
+    return static + max(kv_cache, train)
+
+
+def table(micro_batch: int, seq: int, rollout_seqs: int) -> None:
+    print(f"grpo.py, bf16, reference model on; micro-batch {micro_batch} x {seq} tokens; "
+          f"rollout {rollout_seqs} sequences over the ranks. Cell: peak GB per GPU on the fewest GPUs "
+          "(1, 2, 4, 8) where it fits in 90% of the card, '-' if none")
+    columns = [(fsdp, ckpt) for fsdp in (False, True) for ckpt in (False, True)]
+    for card in (80, 141):
+        print(f"\n{card} GB cards")
+        print("| model | params | " + " | ".join(("FSDP" if f else "DDP") + (" + ckpt" if c else "")
+                                             for f, c in columns) + " |")
+        print("|---|---|" + "---|" * len(columns))
+        for shape in QWEN:
+            cells = []
+            for fsdp, ckpt in columns:
+                cell = "-"
+                for ranks in ((2, 4, 8) if fsdp else (1,)):  # DDP replicates: more GPUs do not help memory
+                    gb = peak_bytes(shape, fsdp, ranks, ckpt, micro_batch, seq, rollout_seqs) / GB
+                    if gb <= 0.9 * card:
+                        cell = f"{ranks} GPU{'s' if ranks > 1 else ''}, {gb:.0f}"
+                        break
+                cells.append(cell)
+            print(f"| {shape.name} | {shape.params / 1e9:.2f}B | " + " | ".join(cells) + " |")
+
+
+# --- the check on CPU ------------------------------------------------------------------------------
+
+TINY = [  # (layers, hidden, MLP, batch, seq): weights-heavy, activation-heavy, and in between
+    (4, 512, 2048, 2, 128),
+    (2, 256, 1024, 16, 512),
+    (8, 384, 1536, 8, 256),
+]
+
+
+def measure_one(layers: int, hidden: int, intermediate: int, batch: int, seq: int, checkpointing: bool) -> None:
+    """Child process: one GRPO-like training step (reference log-probs, forward, backward, AdamW) of a
+    Qwen3 in fp32 on CPU; prints the growth of peak RSS and the formula's bytes, in GB."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
+    from common import get_logprobs
+
+    torch.manual_seed(0)
+    vocab = 1024
+    ids = torch.randint(0, vocab, (batch, seq))
+    mask = torch.ones_like(ids)
+    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+                         max_position_embeddings=seq, tie_word_embeddings=False)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    policy, ref = Qwen3ForCausalLM(config), Qwen3ForCausalLM(config).requires_grad_(False)
+    if checkpointing:
+        policy.activation_checkpointing_enable({"use_reentrant": False})
+    policy.train()
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-4)
+    with torch.no_grad():
+        get_logprobs(ref, ids, mask, 1, 1.0)
+    logprobs, _ = get_logprobs(policy, ids, mask, 1, 1.0)
+    logprobs.sum().backward()
+    optimizer.step()
+    measured = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    shape = Shape("tiny", layers, hidden, intermediate, 4, 2, vocab=vocab)
+    logprob_head = 6 * min(batch * seq, 2**25 // vocab) * vocab * 4  # a chunk's logits and their temporaries
+    predicted = peak_bytes(shape, False, 1, checkpointing, batch, seq, 0, w=4, logprob_head=logprob_head)
+    print(f"{measured / GB:.4f} {predicted / GB:.4f} {shape.params}")
+
+
+def check() -> None:
+    print("fp32 on CPU, one process, policy + reference; peak RSS growth of a training step vs the formula")
+    print("| layers x hidden x MLP | micro-batch x seq | ckpt | params | measured GB | formula GB "
+          "| formula / measured |")
+    print("|---|---|---|---|---|---|---|")
+    for layers, hidden, intermediate, batch, seq in TINY:
+        for ckpt in (False, True):
+            out = subprocess.run([sys.executable, __file__, "--one", *map(str, (layers, hidden, intermediate, batch,
+                                  seq, int(ckpt)))], capture_output=True, text=True, check=True).stdout
+            measured, predicted, params = out.split()[-3:]
+            ratio = float(predicted) / float(measured)
+            print(f"| {layers} x {hidden} x {intermediate} | {batch} x {seq} | {'yes' if ckpt else 'no'} | "
+                  f"{int(params) / 1e6:.1f}M | {float(measured):.3f} | {float(predicted):.3f} | {ratio:.2f} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="formula vs measured peak memory on CPU")
+    parser.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch (table)")
+    parser.add_argument("--seq", type=int, default=1024, help="prompt + response tokens per sequence (table)")
+    parser.add_argument("--rollout", type=int, default=512, help="sequences sampled per step, all ranks (table)")
+    parser.add_argument("--one", nargs=6, type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        measure_one(*args.one[:5], bool(args.one[5]))
+    elif args.check:
+        check()
+    else:
+        table(args.micro_batch, args.seq, args.rollout)
