@@ -13,6 +13,7 @@ import importlib.util
 import json
 import math
 import os
+import random
 import re
 import resource
 import shutil
@@ -679,8 +680,8 @@ def save_checkpoint(model, tokenizer, path: Path, rank: int = 0, optimizer=None,
     are gathered from the shards (to rank 0's CPU memory), and only rank 0 writes.
 
     With an optimizer, the checkpoint is resumable (`load_checkpoint`): it also holds the optimizer
-    state and the step (training_state.pt), and every rank's RNG state and algorithm state `extra`
-    (rank_<r>.pt)."""
+    state and the step (training_state.pt), and every rank's RNG states (torch, CUDA, Python) and its
+    algorithm state `extra` (rank_<r>.pt)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     distributed, sharded = dist.is_initialized(), isinstance(unwrap(model), FSDPModule)
@@ -697,7 +698,8 @@ def save_checkpoint(model, tokenizer, path: Path, rank: int = 0, optimizer=None,
         dist.barrier()  # the folder exists before any rank writes into it
     if optimizer is not None:
         cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-        torch.save({"rng": torch.get_rng_state(), "cuda_rng": cuda_rng, "extra": extra or {}}, tmp / f"rank_{rank}.pt")
+        rng = {"rng": torch.get_rng_state(), "cuda_rng": cuda_rng, "python_rng": random.getstate()}
+        torch.save({**rng, "extra": extra or {}}, tmp / f"rank_{rank}.pt")
     if distributed:
         dist.barrier()  # every rank's file is written before rank 0 renames the folder
     if rank != 0:
@@ -755,6 +757,7 @@ def load_checkpoint(path: Path, model, optimizer, rank: int, world_size: int) ->
         optimizer.load_state_dict(state["optimizer"])
     own = torch.load(path / f"rank_{rank}.pt", weights_only=False)
     torch.set_rng_state(own["rng"])
+    random.setstate(own["python_rng"])  # unused by these files, kept for code you add
     if own["cuda_rng"] is not None:
         torch.cuda.set_rng_state(own["cuda_rng"])
     return state["step"], own["extra"]

@@ -151,6 +151,10 @@ def test_bad_batch_sizes(tmp_path):
     main_fails(tmp_path, "--group-size 1: group advantages need at least 2", group_size=1)
 
 
+def test_fsdp_needs_ranks(tmp_path):
+    main_fails(tmp_path, "--fsdp shards the model over ranks: launch with torchrun", fsdp=True)
+
+
 def test_bad_reward_fn(tmp_path):
     module = tmp_path / "rewards.py"
     module.write_text("def boom(p, c, a):\n    raise ValueError('bad')\ndef short(p, c, a):\n    return [0.0]\n"
