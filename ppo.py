@@ -20,7 +20,7 @@ Per response token t (T = the last one, normally EOS; N = tokens in the optimize
 Differences from grpo.py:
 - a critic replaces the group baseline: advantages are per token (GAE), and --group-size may be 1;
 - the KL is a detached k1 penalty in the reward, not a k3 loss term; --target-kl adapts beta;
-- --reward-model scores completions instead of the rule; no EOS scores --no-eos-score (N+'s EOS trick);
+- --reward-model scores completions instead of the rule; a completion without EOS scores --no-eos-score;
 - token-mean over the optimizer step instead of per-sequence mean then mean.
 
 Run:
