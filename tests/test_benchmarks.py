@@ -34,3 +34,10 @@ def test_memory_formula_counts_parameters_like_the_model():
     shape = Shape("t", 3, 64, 96, 4, 2, vocab=100)
     # Qwen3 adds a q/k norm per layer (2 x head_dim) that Qwen2.5's shapes do not have
     assert shape.params == sum(p.numel() for p in model.parameters()) - 3 * 2 * 16
+
+
+def test_step_time_benchmark_runs():
+    result = run(["benchmarks/step_time.py", "--steps", "3", "--files", "grpo", "--no-scaling", "--extra",
+                  "--prompts-per-step", "4", "--group-size", "4"], cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[3].startswith("| grpo.py | ")

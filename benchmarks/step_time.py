@@ -1,0 +1,69 @@
+"""Where a training step's time goes, for every algorithm file on the offline default: generation,
+old/reference log-probs (and PPO's values), the update, tokens per second and peak memory; then how
+grpo.py's step time grows as the group size and the generation limit double.
+
+    python benchmarks/step_time.py                 # every file, 12 steps each, then the scaling runs
+    python benchmarks/step_time.py --steps 30 --files grpo ppo --no-scaling
+
+Each configuration runs as its own process (`python <file>.py --eval-every 0 ...`); the figures are
+the means of the `perf/*` metrics over the steps after the first two (warm-up). Not a test: timings
+depend on the machine and on whatever else runs on it.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FILES = ["grpo", "dapo", "cispo", "gvpo", "ppo"]
+KEYS = ["perf/step_s", "perf/gen_s", "perf/logprobs_s", "perf/update_s", "perf/tokens_per_s", "perf/peak_mem_gb",
+        "response/length_mean"]
+
+
+def run(file: str, steps: int, extra: list[str], out: Path) -> dict[str, float]:
+    name = f"{file}_{'_'.join(extra) or 'default'}".replace("-", "")
+    cmd = [sys.executable, str(ROOT / f"{file}.py"), "--num-steps", str(steps), "--eval-every", "0",
+           "--output-dir", str(out), "--run-name", name, *extra]
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
+    rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()][2:]
+    return {k: statistics.mean(r[k] for r in rows) for k in KEYS}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--files", nargs="+", default=FILES, choices=FILES)
+    parser.add_argument("--no-scaling", action="store_true", help="skip the group-size / generation-limit runs")
+    parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="flags passed to every run")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        print(f"offline default, {args.steps} steps each (mean of steps 2..{args.steps - 1})")
+        print("| file | step s | generation s | log-probs s | update s | response tokens/s | peak GB |")
+        print("|---|---|---|---|---|---|---|")
+        for file in args.files:
+            m = run(file, args.steps, args.extra, out)
+            print(f"| {file}.py | {m['perf/step_s']:.3f} | {m['perf/gen_s']:.3f} | {m['perf/logprobs_s']:.3f} | "
+                  f"{m['perf/update_s']:.3f} | {m['perf/tokens_per_s']:.0f} | {m['perf/peak_mem_gb']:.2f} |",
+                  flush=True)
+        if args.no_scaling:
+            return
+        for flag, values in [("--group-size", [8, 16, 32]), ("--max-new-tokens", [8, 16, 32])]:
+            print(f"\ngrpo.py, {flag} doubling (other flags default)")
+            print(f"| {flag} | step s | x previous | generation s | update s | response length |")
+            print("|---|---|---|---|---|---|")
+            previous = None
+            for value in values:
+                m = run("grpo", args.steps, [flag, str(value), *args.extra], out)
+                growth = f"{m['perf/step_s'] / previous:.2f}" if previous else "-"
+                previous = m["perf/step_s"]
+                print(f"| {value} | {m['perf/step_s']:.3f} | {growth} | {m['perf/gen_s']:.3f} | "
+                      f"{m['perf/update_s']:.3f} | {m['response/length_mean']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
