@@ -62,8 +62,9 @@ def test_fsdp_generation_waits_for_the_slowest_rank(tmp_path):
     with the other (synced_gpus), so the collective that follows generation meets its partner."""
     result = run(["tests/fsdp_generate.py"], cwd=tmp_path, torchrun=2, timeout=60)
     assert result.returncode == 0, result.stderr
-    lengths = sorted(int(line.split()[-2]) for line in result.stdout.splitlines() if line.startswith("rank"))
-    assert len(lengths) == 2 and lengths[0] < lengths[1]  # the ranks really finished at different steps
+    ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["length"] < ranks[1]["length"]  # the ranks really finished at different steps
+    assert ranks[0]["total"] == ranks[1]["total"] == ranks[0]["length"] + ranks[1]["length"]
 
 
 def one_step(tmp_path: Path, algo: str, name: str, dataset: Path, extra: list[str], torchrun: int = 0):
