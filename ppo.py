@@ -543,4 +543,4 @@ def main(args: Args) -> None:
 
 if __name__ == "__main__":
     main(tyro.cli(Args))
-    cleanup_distributed()  # once main has returned: its DDP wrappers are freed before the process group
+    cleanup_distributed()  # after main has returned (its DDP wrappers freed); ends a distributed run
