@@ -369,7 +369,7 @@ def main(args: Args) -> None:
     # The critic reads the policy's token ids, so its backbone must share the policy's tokenizer.
     critic_path = args.critic_model or args.reward_model or args.model
     flag = "--critic-model" if args.critic_model else "--reward-model" if args.reward_model else "--model"
-    if load_tokenizer(critic_path, flag).get_vocab() != tokenizer.get_vocab():
+    if critic_path != args.model and load_tokenizer(critic_path, flag).get_vocab() != tokenizer.get_vocab():
         raise fail(f"{flag} {critic_path!r}: its tokenizer differs from --model's, and the critic reads the "
                    "policy's tokens. Pass --critic-model with a model that shares --model's tokenizer "
                    "(e.g. --critic-model <the --model path>).")

@@ -45,13 +45,12 @@ def measure(mode: str, batch: int, seq: int, vocab: int, hidden: int, device: to
     mask = torch.ones_like(ids)
     if mode == "chunked":  # warm up once at a small size, so one-off allocations are in the baseline
         get_logprobs(model, ids[:1, :16], mask[:1, :16], 1, 1.0)[0].sum().backward()
-    model.zero_grad(set_to_none=False)  # gradient buffers allocated: part of any training step, not of the path
-    for p in model.parameters():
+    for p in model.parameters():  # gradient buffers allocated: part of any training step, not of the path
         p.grad = torch.zeros_like(p)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
-    base = peak_bytes(device) if device.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    base = peak_bytes(device)
     if mode == "chunked":
         logprobs, _ = get_logprobs(model, ids, mask, 1, 1.0)
     else:  # the textbook way: full logits, full fp32 log-softmax, gather

@@ -46,10 +46,17 @@ class Shape:
         return self.hidden // self.heads
 
     @property
-    def params(self) -> int:
+    def layer_params(self) -> int:
         H, mlp, kv = self.hidden, self.intermediate, self.kv_heads * self.head_dim
-        layer = H * H * 2 + H * kv * 2 + 3 * H * mlp + 2 * H  # q, o; k, v; gate, up, down; two norms
-        return self.layers * layer + self.vocab * H * (1 if self.tied else 2) + H
+        return H * H * 2 + H * kv * 2 + 3 * H * mlp + 2 * H  # q, o; k, v; gate, up, down; two norms
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied else 2)  # input embeddings (and the LM head if untied)
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.embedding_params + self.hidden  # + the final norm
 
 
 # Qwen2.5 shapes (layers, hidden, MLP, heads, KV heads; from the published configs, recalled, not read here)
@@ -75,8 +82,7 @@ def peak_bytes(shape: Shape, fsdp: bool, ranks: int, checkpointing: bool, micro_
     N = shape.params
     if fsdp:
         static = 16 * N / ranks + (4 * N / ranks if reference else 0)
-        layer = (N - shape.vocab * shape.hidden * (1 if shape.tied else 2)) / shape.layers
-        static += 2 * (shape.vocab * shape.hidden * (1 if shape.tied else 2) + 2 * layer)
+        static += 2 * (shape.embedding_params + 2 * shape.layer_params)
     else:
         static = 4 * w * N + (w * N if ranks > 1 else 0) + (w * N if reference else 0)
     kv_cache = 2 * shape.layers * shape.kv_heads * shape.head_dim * seq * w * rollout_seqs / ranks
