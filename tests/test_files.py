@@ -16,7 +16,7 @@ ALGORITHM_REGIONS = [
     ("from common import (", ")"),  # the names imported from common.py
     ("    # Algorithm", "    # Computed at runtime"),  # the Algorithm block of Args
     ("# 2. Algorithm", "# 3. Training"),  # the pure functions
-    ("    if args.group_size < 2:", "    args.local_prompts_per_step ="),  # its own start-up checks
+    ("    if args.group_size < 2:", "    if args.fsdp and args.world_size < 2:"),  # its own start-up checks
     ("    # Same seed on every rank while loading", "    for step in range(start_step, args.num_steps):"),  # models
     ("        # 1. sample prompts", "        # 7. log, evaluate, checkpoint"),  # sampling to the update
 ]
