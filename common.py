@@ -658,8 +658,8 @@ def evaluate(model, tokenizer, examples: list[dict], chat_template: bool, exact:
              rank: int, world_size: int, seed: int, batch_size: int = 256) -> dict[str, float]:
     """Held-out accuracy: one sample at T=1 (`eval/accuracy`) and greedy (`eval/accuracy_greedy`).
     Each rank scores a strided shard; sampling is seeded and forked so that evaluation neither
-    depends on nor disturbs the training RNG."""
-    shard = examples[rank::world_size]
+    depends on nor disturbs the training RNG. `perf/eval_s` is its wall time (part of the step's `perf/step_s`)."""
+    start, shard = time.perf_counter(), examples[rank::world_size]
     right = torch.zeros(2, dtype=torch.float64, device=model.device)
     largest = -(-len(examples) // world_size)  # every rank runs as many batches (FSDP's forward is collective)
     with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []):
@@ -674,7 +674,8 @@ def evaluate(model, tokenizer, examples: list[dict], chat_template: bool, exact:
                 texts = generate(model, tokenizer, prompts, 1, max_new_tokens, 1.0, greedy=greedy).texts
                 right[j] += correctness_reward(texts, answers, exact).sum().item() * counted
     right = all_reduce_sum(right) / len(examples)
-    return {"eval/accuracy": right[0].item(), "eval/accuracy_greedy": right[1].item()}
+    return {"eval/accuracy": right[0].item(), "eval/accuracy_greedy": right[1].item(),
+            "perf/eval_s": time.perf_counter() - start}
 
 
 TRAINING_STATE = "training_state.pt"

@@ -41,3 +41,90 @@ def test_step_time_benchmark_runs():
                   "--prompts-per-step", "4", "--group-size", "4"], cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[3].startswith("| grpo.py | ")
+
+
+def test_learning_curves_write_csv_resume_and_summarize(tmp_path):
+    """Two tiny runs go to the CSV; a second call skips them (nothing rerun), and the table is printed."""
+    out = tmp_path / "curves.csv"
+    args = ["benchmarks/learning_curves.py", "--configs", "grpo", "gvpo --reuse-steps 1", "--seeds", "1",
+            "--steps", "2", "--eval-every", "1", "--out", str(out),
+            "--extra", "--eval-size", "8", "--prompts-per-step", "4", "--group-size", "4"]
+    result = run(args, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    from benchmarks.learning_curves import read_csv
+
+    rows = read_csv(out)
+    assert [(r["config"], r["step"]) for r in rows] == [(c, s) for c in ["grpo", "gvpo --reuse-steps 1"]
+                                                        for s in range(3)]
+    assert [r["completions"] for r in rows[:3]] == [0, 16, 32]  # 4 prompts x 4 completions per step
+    assert rows[2]["reward_mean"] is None and rows[2]["eval_accuracy"] is not None  # the final evaluation
+    assert "| grpo | 1 | 2 |" in result.stdout
+    again = run(args, cwd=ROOT)
+    assert again.returncode == 0, again.stderr
+    assert "0 runs of 2 steps to do (2 already in" in again.stdout
+    assert len(read_csv(out)) == len(rows)
+
+
+def test_learning_curves_summary_counts_steps_to_target():
+    from benchmarks.learning_curves import summarize, to_rows
+
+    def metrics(accuracies):  # an evaluation before every step, steps of 2 s with 0.5 s of evaluation
+        lines = [{"step": s, "eval/accuracy": a, "eval/accuracy_greedy": a, "reward/mean": 0.5,
+                  "response/length_mean": 3.0, "perf/step_s": 2.0, "perf/eval_s": 0.5, "algo/gen_rounds": 2}
+                 for s, a in enumerate(accuracies[:-1])]
+        return lines + [{"step": len(accuracies) - 1, "eval/accuracy": accuracies[-1],
+                         "eval/accuracy_greedy": accuracies[-1]}]
+
+    rows = to_rows("x", 1, metrics([0.4, 0.6, 0.75, 0.8]), 10) + to_rows("x", 2, metrics([0.4, 0.5, 0.6, 0.7]), 10)
+    (t,) = summarize(rows, target=0.7)
+    assert t["reached"] == "2/2"
+    assert t["steps_to_target"] == format((2 + 3) / 2, ".0f")  # first evaluations at >= 0.7: steps 2 and 3
+    assert t["wall_to_target"] == format((2 * 1.5 + 3 * 1.5) / 2, ".0f")  # evaluation time left out
+    assert t["completions_to_target"] == format((2 * 20 + 3 * 20) / 2, ".0f")  # 2 rounds of 10 per step
+    assert t["final"] == "0.750 ± 0.071"
+
+
+def test_gpu_recipe_runs_at_a_tiny_shape_on_cpu(tmp_path):
+    result = run(["benchmarks/gpu_recipe.py", "--config", "tiny_model", "--device", "cpu", "--prompts", "2",
+                  "--group-size", "2", "--prompt-length", "8", "--new-tokens", "4", "--out", str(tmp_path / "r.json")],
+                 cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    import json
+
+    figures = json.loads((tmp_path / "r.json").read_text())
+    assert figures["batch"] == 4 and figures["gen_tokens_per_s"] > 0 and figures["update_tflops_per_s"] > 0
+
+
+def test_gpu_recipe_flop_count_matches_torch_flop_counter():
+    """update_flops (full attention) against the matmul FLOPs PyTorch counts in one get_logprobs forward +
+    backward with eager attention (matmuls the counter sees), plus what the recipe leaves out on purpose:
+    the recomputed LM-head forward of get_logprobs' checkpointed chunks and the backbone's one logit."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.gpu_recipe import build_config, update_flops
+    from common import get_logprobs
+
+    config = build_config("tiny_model")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    B, P, L = 3, 10, 6
+    ids = torch.randint(1, config.vocab_size, (B, P + L))
+    with FlopCounterMode(display=False) as counter:
+        logprobs, _ = get_logprobs(model, ids, torch.ones_like(ids), P, 1.0)
+        logprobs.sum().backward()
+    head = 2 * config.hidden_size * config.vocab_size
+    expected = update_flops(config, B, P + L, L, causal=False) + head * B * L + head * B
+    assert abs(counter.get_total_flops() - expected) / expected < 1e-4
+    assert update_flops(config, B, P + L, L) < expected  # causal: half the attention
+
+
+def test_trl_comparison_runs_when_trl_is_installed():
+    """Skipped without trl (an optional, benchmark-only dependency): pip install -r benchmarks/requirements.txt."""
+    import pytest
+
+    pytest.importorskip("trl")
+    result = run(["benchmarks/step_time.py", "--steps", "3", "--files", "grpo", "--no-scaling", "--extra",
+                  "--prompts-per-step", "4", "--group-size", "4"], cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert "grpo.py / TRL = " in result.stdout
