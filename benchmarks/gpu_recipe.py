@@ -1,0 +1,168 @@
+"""GPU recipe: generation throughput, training-step MFU and peak memory of grpo.py's code path at a
+realistic shape, on one GPU with no internet: the model is built from a config with random weights
+(timings do not depend on the weights; nothing is downloaded).
+
+    python benchmarks/gpu_recipe.py                         # Qwen3-0.6B shape, 64 prompts x 8, 512 new tokens
+    python benchmarks/gpu_recipe.py --micro-batch-size 32 --peak-tflops 989
+    python benchmarks/gpu_recipe.py --config tiny_model --device cpu --prompts 2 --group-size 2 \\
+        --prompt-length 8 --new-tokens 4                    # the CPU check the tests run
+
+What it runs, each timed after a warm-up:
+1. sampling: `model.generate` (KV cache, T=1, no top-k) on prompts x group random prompts, forced to
+   exactly --new-tokens tokens (EOS suppressed): response tokens per second;
+2. the update: grpo.py's loss (`grpo.compute_loss`) on log-probs from `common.get_logprobs`, backward
+   over micro-batches, gradient clipping and an AdamW step on the whole batch, as grpo.py does it
+   (bf16 weights on GPU, as `--dtype auto`).
+MFU = model FLOPs of the update / time / peak FLOPs. Model FLOPs (`update_flops`) count the
+matmuls of forward + backward (x3 of the forward): 2 x the non-embedding weights per token, the
+causal attention scores and values (half of the full T x T, as flash kernels skip the masked half)
+and the LM head on the response tokens only (get_logprobs applies it to those); recomputation is
+not counted. --peak-tflops defaults to 989, the dense bf16 peak of an H100/H200 SXM.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import grpo  # noqa: E402  (the repository's files, importable once ROOT is on the path)
+from common import clip_grad_norm, get_logprobs  # noqa: E402
+
+# Qwen/Qwen3-0.6B's config.json (written out: nothing can be downloaded on the GPU machine).
+QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu")
+
+
+def build_config(name: str):
+    if name == "qwen3-0.6b":
+        return Qwen3Config(**QWEN3_0_6B)
+    path = Path(name) if Path(name).exists() else ROOT / name
+    if not (path / "config.json").exists():
+        raise SystemExit(f"--config {name}: neither 'qwen3-0.6b' nor a folder with a config.json")
+    return AutoConfig.from_pretrained(path)
+
+
+def update_flops(config, num_sequences: int, sequence_length: int, response_length: int,
+                 causal: bool = True) -> float:
+    """Model FLOPs of one forward + backward of grpo.py's update over `num_sequences` sequences of
+    `sequence_length` tokens, `response_length` of them scored (the backward costs 2 forwards)."""
+    d, layers = config.hidden_size, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
+    q_dim, kv_dim = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    layer_weights = d * (q_dim + 2 * kv_dim) + q_dim * d + 3 * d * config.intermediate_size  # attention + MLP
+    tokens = num_sequences * sequence_length
+    weights = 2 * layers * layer_weights * tokens
+    attention = 2 * 2 * layers * q_dim * sequence_length**2 * num_sequences  # QK^T and AV
+    if causal:
+        attention /= 2
+    lm_head = 2 * d * config.vocab_size * num_sequences * response_length
+    return 3 * (weights + attention + lm_head)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_generation(model, prompts: torch.Tensor, new_tokens: int,
+                       device: torch.device) -> tuple[dict, torch.Tensor]:
+    eos = model.generation_config.eos_token_id
+    kwargs = dict(attention_mask=torch.ones_like(prompts), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                  max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
+                  eos_token_id=eos if eos is not None else 0)
+    with torch.no_grad():
+        model.generate(prompts[:8], **{**kwargs, "attention_mask": kwargs["attention_mask"][:8]})  # warm-up
+        sync(device)
+        start = time.perf_counter()
+        out = model.generate(prompts, **kwargs)
+        sync(device)
+    seconds = time.perf_counter() - start
+    assert out.shape[1] == prompts.shape[1] + new_tokens, out.shape
+    return {"gen_s": seconds, "gen_tokens_per_s": prompts.shape[0] * new_tokens / seconds}, out
+
+
+def update(model, optimizer, ids: torch.Tensor, prompt_length: int, micro_batch_size: int) -> float:
+    """One grpo.py optimizer step over the batch (random advantages; old log-probs = current ones)."""
+    attention_mask = torch.ones_like(ids)
+    response_mask = attention_mask[:, prompt_length:].float()
+    advantages = torch.randn(len(ids), device=ids.device)
+    for start in range(0, len(ids), micro_batch_size):
+        sl = slice(start, start + micro_batch_size)
+        logprobs, _ = get_logprobs(model, ids[sl], attention_mask[sl], prompt_length, 1.0)
+        loss, _ = grpo.compute_loss(logprobs, logprobs.detach(), None, advantages[sl], response_mask[sl],
+                                    len(ids), beta=0.0)
+        loss.backward()
+    grad_norm = clip_grad_norm(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm.item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="qwen3-0.6b", help="'qwen3-0.6b' or a folder with a config.json")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--prompt-length", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--micro-batch-size", type=int, default=16, help="sequences per forward/backward")
+    parser.add_argument("--update-steps", type=int, default=2, help="timed optimizer steps (after one warm-up)")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="the accelerator's dense bf16 peak")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, help="also write the figures to this JSON file")
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # grpo.py's --dtype auto
+    config = build_config(args.config)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    batch = args.prompts * args.group_size
+    print(f"{args.config}: {n_params / 1e6:.1f} M parameters, {dtype}, {device}; {args.prompts} prompts x "
+          f"{args.group_size} = {batch} sequences of {args.prompt_length} + {args.new_tokens} tokens", flush=True)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    prompts = torch.randint(1, config.vocab_size, (batch, args.prompt_length), device=device)
+    figures, sequences = measure_generation(model, prompts, args.new_tokens, device)
+    print(f"generation: {figures['gen_tokens_per_s']:,.0f} response tokens/s ({figures['gen_s']:.1f} s)", flush=True)
+    if device.type == "cuda":
+        figures["gen_peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    update(model, optimizer, sequences, args.prompt_length, args.micro_batch_size)  # warm-up (allocates Adam state)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(args.update_steps):
+        update(model, optimizer, sequences, args.prompt_length, args.micro_batch_size)
+    sync(device)
+    step_s = (time.perf_counter() - start) / args.update_steps
+    flops = update_flops(config, batch, sequences.shape[1], args.new_tokens)
+    figures.update({"update_s": step_s, "update_tflops_per_s": flops / step_s / 1e12,
+                    "update_tokens_per_s": batch * sequences.shape[1] / step_s})
+    if device.type == "cuda":
+        figures["update_peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+        figures["mfu"] = flops / step_s / (args.peak_tflops * 1e12)
+    print(f"update: {step_s:.2f} s per optimizer step, {figures['update_tflops_per_s']:.1f} TFLOP/s"
+          + (f", MFU {figures['mfu']:.1%} of {args.peak_tflops:.0f} TFLOP/s, peak "
+             f"{figures['update_peak_mem_gb']:.1f} GB (generation: {figures['gen_peak_mem_gb']:.1f} GB)"
+             if device.type == "cuda" else " (no MFU on CPU)"), flush=True)
+    line = json.dumps({"config": args.config, "device": str(device), "batch": batch, **figures})
+    print(line)
+    if args.out:
+        args.out.write_text(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
