@@ -1,5 +1,6 @@
 """gvpo.py: the group MSE against the worked numbers of ALGORITHMS.md section 10.6, autograd, group
-integrity, and the replay of past groups (the on-policy learning test is in test_runs.py)."""
+integrity, and the replay of past groups (the learning tests, on-policy and with --reuse-steps 1,
+are in test_runs.py)."""
 
 import json
 
