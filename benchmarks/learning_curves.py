@@ -24,6 +24,7 @@ without it the CSV and the table are still written.
 import argparse
 import csv
 import json
+import re
 import shlex
 import statistics
 import subprocess
@@ -41,7 +42,7 @@ COLUMNS = ["config", "seed", "step", "wall_s", "completions", "eval_accuracy", "
 def run(config: str, seed: int, steps: int, eval_every: int, extra: list[str], out: Path) -> list[dict]:
     """Train one configuration ("<file> [flags]") for one seed; its metrics as CSV rows."""
     file, *flags = shlex.split(config)
-    name = f"{file}_s{seed}"
+    name = f"{re.sub(r'[^A-Za-z0-9]+', '_', config)}_s{seed}"  # one folder per config and seed
     cmd = [sys.executable, str(ROOT / f"{file}.py"), *flags, "--seed", str(seed), "--num-steps", str(steps),
            "--eval-every", str(eval_every), "--output-dir", str(out), "--run-name", name, *extra]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -179,7 +180,7 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--target", type=float, default=0.7, help="held-out sampled accuracy for the table")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "learning_curves.csv",
-                        help="the CSV; the PNG is written next to it")
+                        help="the CSV (one --steps budget per file); the PNG is written next to it")
     parser.add_argument("--from-csv", action="store_true", help="no training: table and plot from --out")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="flags passed to every run")
     args = parser.parse_args()
@@ -189,18 +190,18 @@ def main() -> None:
 
     if not args.from_csv:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        rows = read_csv(args.out) if args.out.exists() else []
-        done = {(r["config"], r["seed"]) for r in rows if r["step"] == args.steps}
+        existing = read_csv(args.out) if args.out.exists() else []
+        done = {(r["config"], r["seed"]) for r in existing if r["step"] == args.steps}
         # seed-major: every config has a seed early, should the benchmark be stopped half way
         todo = [(c, s) for s in args.seeds for c in args.configs if (c, s) not in done]
         print(f"{len(todo)} runs of {args.steps} steps to do ({len(done)} already in {args.out})", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             for i, (config, seed) in enumerate(todo, 1):
                 start = time.perf_counter()
-                rows = run(config, seed, args.steps, args.eval_every, args.extra, Path(tmp))
-                append_csv(args.out, rows)
-                final = rows[-1]
-                print(f"[{i}/{len(todo)}] {config} seed {seed}: held-out {rows[0]['eval_accuracy']:.3f} -> "
+                new = run(config, seed, args.steps, args.eval_every, args.extra, Path(tmp))
+                append_csv(args.out, new)
+                final = new[-1]
+                print(f"[{i}/{len(todo)}] {config} seed {seed}: held-out {new[0]['eval_accuracy']:.3f} -> "
                       f"{final['eval_accuracy']:.3f} (greedy {final['eval_accuracy_greedy']:.3f}), "
                       f"{time.perf_counter() - start:.0f} s", flush=True)
 
@@ -210,7 +211,7 @@ def main() -> None:
     print(format_table(summarize(rows, args.target), args.target))
     png = args.out.with_suffix(".png")
     title = (f"{', '.join(args.configs)} on the offline default, seeds {' '.join(map(str, args.seeds))}; "
-             f"mean and min-max over seeds; {time.strftime('%Y-%m-%d')}")
+             f"mean and min-max over seeds; plotted {time.strftime('%Y-%m-%d')}")
     if plot(rows, png, title):
         print(f"plot: {png}")
     else:

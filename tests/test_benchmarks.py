@@ -44,9 +44,10 @@ def test_step_time_benchmark_runs():
 
 
 def test_learning_curves_write_csv_resume_and_summarize(tmp_path):
-    """Two tiny runs go to the CSV; a second call skips them (nothing rerun), and the table is printed."""
+    """Two tiny runs of one file with different flags go to the CSV, each with its own rows; a second call
+    skips them (nothing rerun), and the table is printed."""
     out = tmp_path / "curves.csv"
-    args = ["benchmarks/learning_curves.py", "--configs", "grpo", "gvpo --reuse-steps 1", "--seeds", "1",
+    args = ["benchmarks/learning_curves.py", "--configs", "grpo", "grpo --beta 0", "--seeds", "1",
             "--steps", "2", "--eval-every", "1", "--out", str(out),
             "--extra", "--eval-size", "8", "--prompts-per-step", "4", "--group-size", "4"]
     result = run(args, cwd=ROOT)
@@ -54,8 +55,7 @@ def test_learning_curves_write_csv_resume_and_summarize(tmp_path):
     from benchmarks.learning_curves import read_csv
 
     rows = read_csv(out)
-    assert [(r["config"], r["step"]) for r in rows] == [(c, s) for c in ["grpo", "gvpo --reuse-steps 1"]
-                                                        for s in range(3)]
+    assert [(r["config"], r["step"]) for r in rows] == [(c, s) for c in ["grpo", "grpo --beta 0"] for s in range(3)]
     assert [r["completions"] for r in rows[:3]] == [0, 16, 32]  # 4 prompts x 4 completions per step
     assert rows[2]["reward_mean"] is None and rows[2]["eval_accuracy"] is not None  # the final evaluation
     assert "| grpo | 1 | 2 |" in result.stdout

@@ -197,14 +197,19 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monk
 # --- learning -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("algo, flags", [(a, []) for a in ALGORITHMS] + [("gvpo", ["--reuse-steps", "1"])],
+REUSE = ("gvpo", ["--reuse-steps", "1"], 200)
+
+
+@pytest.mark.parametrize("algo, flags, steps", [(a, [], 50) for a in ALGORITHMS] + [REUSE],
                          ids=ALGORITHMS + ["gvpo-reuse"])
-def test_learns_the_default_task(tmp_path, algo, flags):
-    """50 steps on the default model and task lift held-out sampled accuracy from ~0.39 to 0.5-0.7
-    (GVPO also while training on the previous step's groups). Each evaluation scores 500 prompts once:
-    its standard error is about 0.022, so the difference of two has ~0.031; a rise of 0.12 is about 4
-    of those, far outside evaluation noise."""
-    result = run([f"{algo}.py", "--num-steps", "50", "--eval-every", "50", "--output-dir", str(tmp_path),
+def test_learns_the_default_task(tmp_path, algo, flags, steps):
+    """50 steps on the default model and task lift held-out sampled accuracy from ~0.39 to 0.5-0.7.
+    Each evaluation scores 500 prompts once: its standard error is about 0.022, so the difference of
+    two has ~0.031; a rise of 0.12 is about 4 of those, far outside evaluation noise. GVPO replaying
+    the previous step's groups learns more slowly and less steadily (seed 1: +0.14 by step 50, seeds 2
+    and 3: at most +0.08 by step 60; all three +0.22 to +0.26 by step 200, in
+    benchmarks/results/learning_curves.csv), so it gets 200 steps."""
+    result = run([f"{algo}.py", "--num-steps", str(steps), "--eval-every", str(steps), "--output-dir", str(tmp_path),
                   "--run-name", "learn", "--seed", "1", *flags], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     evals = [m for m in read_metrics(tmp_path / "learn") if "eval/accuracy" in m]
