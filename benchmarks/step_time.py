@@ -1,9 +1,11 @@
 """Where a training step's time goes, for every algorithm file on the offline default: generation,
 old/reference log-probs (and PPO's values), the update, tokens per second and peak memory; then how
-grpo.py's step time grows as the group size and the generation limit double.
+grpo.py's step time grows as the group size and the generation limit double; and, when `trl` is
+installed (optional: pip install -r benchmarks/requirements.txt), grpo.py's step time over that of
+TRL's GRPOTrainer at the same configuration (benchmarks/trl_grpo.py), measured in the same run.
 
     python benchmarks/step_time.py                 # every file, 12 steps each, then the scaling runs
-    python benchmarks/step_time.py --steps 30 --files grpo ppo --no-scaling
+    python benchmarks/step_time.py --steps 30 --files grpo ppo --no-scaling --no-trl
 
 Each configuration runs as its own process (`python <file>.py --eval-every 0 ...`); the figures are
 the means of the `perf/*` metrics over the steps after the first two (warm-up). Not a test: timings
@@ -11,6 +13,7 @@ depend on the machine and on whatever else runs on it.
 """
 
 import argparse
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -33,11 +36,26 @@ def run(file: str, steps: int, extra: list[str], out: Path) -> dict[str, float]:
     return {k: statistics.mean(r[k] for r in rows) for k in KEYS}
 
 
+def compare_with_trl(grpo: dict[str, float], steps: int, extra: list[str]) -> None:
+    """grpo.py's mean step time over TRL GRPOTrainer's mean rollout round, same configuration."""
+    if importlib.util.find_spec("trl") is None:
+        print("\nTRL comparison skipped: trl is not installed (pip install -r benchmarks/requirements.txt)")
+        return
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "trl_grpo.py"), "--steps", str(steps), *extra]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
+    trl = json.loads(result.stdout.splitlines()[-1])["trl_round_s"]
+    print(f"\nTRL GRPOTrainer at grpo.py's configuration: {trl:.3f} s per rollout round; "
+          f"grpo.py {grpo['perf/step_s']:.3f} s; grpo.py / TRL = {grpo['perf/step_s'] / trl:.2f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--files", nargs="+", default=FILES, choices=FILES)
     parser.add_argument("--no-scaling", action="store_true", help="skip the group-size / generation-limit runs")
+    parser.add_argument("--no-trl", action="store_true", help="skip the comparison with TRL even if installed")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="flags passed to every run")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -45,11 +63,14 @@ def main() -> None:
         print(f"offline default, {args.steps} steps each (mean of steps 2..{args.steps - 1})")
         print("| file | step s | generation s | log-probs s | update s | response tokens/s | peak GB |")
         print("|---|---|---|---|---|---|---|")
+        measured = {}
         for file in args.files:
-            m = run(file, args.steps, args.extra, out)
+            m = measured[file] = run(file, args.steps, args.extra, out)
             print(f"| {file}.py | {m['perf/step_s']:.3f} | {m['perf/gen_s']:.3f} | {m['perf/logprobs_s']:.3f} | "
                   f"{m['perf/update_s']:.3f} | {m['perf/tokens_per_s']:.0f} | {m['perf/peak_mem_gb']:.2f} |",
                   flush=True)
+        if not args.no_trl:
+            compare_with_trl(measured.get("grpo") or run("grpo", args.steps, args.extra, out), args.steps, args.extra)
         if args.no_scaling:
             return
         for flag, values in [("--group-size", [8, 16, 32]), ("--max-new-tokens", [8, 16, 32])]:

@@ -1,0 +1,88 @@
+"""TRL's GRPOTrainer at grpo.py's configuration, timed per rollout round (sampling + the updates on
+it), for benchmarks/step_time.py's comparison. Needs `trl` (optional: pip install -r
+benchmarks/requirements.txt); run by step_time.py in its own process, or alone:
+
+    python benchmarks/trl_grpo.py --steps 12 [--prompts-per-step 32 --group-size 8 ...]
+
+Matched to grpo.py's defaults: the same model folder and tokenizer, the same prompts (the built-in
+task, formatted by `common.format_prompt` with the chat template), the same reward (`common.score`),
+32 prompts x 8 completions per rollout, 8 new tokens at T=1 with no top-k/top-p, 2 updates per
+rollout (`num_iterations`) on the whole batch at once, learning rate 2e-4, clip 0.2, k3 KL beta 0.04
+to a reference model, std-normalised group advantages, per-sequence token-mean loss (`loss_type="grpo"`),
+gradients clipped at 1.0, fp32 (`bf16=False`) and no gradient checkpointing (TRL turns both on by
+default). Prints one JSON line: the mean seconds per rollout round after --warmup rounds.
+"""
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from common import DEFAULT_MODEL, builtin_splits, format_prompt, load_tokenizer, score  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12, help="rollout rounds")
+    parser.add_argument("--warmup", type=int, default=2, help="rounds left out of the mean")
+    parser.add_argument("--prompts-per-step", type=int, default=32)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--updates-per-rollout", type=int, default=2)
+    parser.add_argument("--learning-rate", type=float, default=2e-4)
+    parser.add_argument("--beta", type=float, default=0.04)
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    if args.steps <= args.warmup:
+        parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    tokenizer = load_tokenizer(DEFAULT_MODEL, "--model")
+    train_set, _ = builtin_splits()
+    dataset = Dataset.from_list([{"prompt": format_prompt(tokenizer, e["prompt"], True), "answer": e["answer"]}
+                                 for e in train_set])
+
+    def reward(prompts, completions, answer, **kwargs):
+        return score(prompts, completions, answer, exact=True)[0].tolist()
+
+    class RoundTimer(TrainerCallback):  # an optimizer step ends; every `updates` of them close a round
+        def __init__(self, updates: int):
+            self.updates, self.ends = updates, []
+
+        def on_step_end(self, *a, **k):
+            self.ends.append(time.perf_counter())
+
+    batch = args.prompts_per_step * args.group_size
+    with tempfile.TemporaryDirectory() as out:
+        config = GRPOConfig(
+            output_dir=out, report_to="none", save_strategy="no", logging_steps=10**6, seed=args.seed,
+            max_steps=args.steps * args.updates_per_rollout, per_device_train_batch_size=batch,
+            gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=args.updates_per_rollout,
+            num_generations=args.group_size, max_completion_length=args.max_new_tokens, temperature=1.0,
+            top_k=0, top_p=1.0, learning_rate=args.learning_rate, lr_scheduler_type="constant", warmup_steps=0,
+            weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
+            epsilon=0.2, beta=args.beta, scale_rewards="group", loss_type="grpo", mask_truncated_completions=False,
+            bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=not torch.cuda.is_available(),
+            dataloader_num_workers=0, disable_tqdm=True, log_completions=False)
+        model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32)
+        timer = RoundTimer(args.updates_per_rollout)
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
+                              processing_class=tokenizer, callbacks=[timer])
+        start = time.perf_counter()
+        trainer.train()
+    ends = [start] + timer.ends[args.updates_per_rollout - 1 :: args.updates_per_rollout]  # end of each round
+    rounds = [b - a for a, b in zip(ends, ends[1:])][args.warmup :]
+    print(json.dumps({"trl_round_s": sum(rounds) / len(rounds), "rounds": len(rounds)}))
+
+
+if __name__ == "__main__":
+    main()
