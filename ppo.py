@@ -356,6 +356,9 @@ def main(args: Args) -> None:
     resume_dir = find_checkpoint(args.resume, run_dir) if args.resume else None
     if resume_dir:  # continue in the folder of the run that wrote the checkpoint
         run_dir = resume_dir.parent
+    elif (run_dir / "metrics.jsonl").exists():  # a new run would append its metrics to another run's
+        raise fail(f"--run-name {run_name}: {run_dir} already holds a run. Continue it with --resume latest, "
+                   "or choose another --run-name or --output-dir.")
 
     # Data and the user reward are checked before any model is loaded, so bad input fails fast.
     train_set, eval_set = load_data(args.dataset, args.eval_dataset, args.eval_size)

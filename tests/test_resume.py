@@ -83,6 +83,17 @@ def test_bad_resume_stops_before_any_work(tmp_path, resume, message):
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_new_run_never_appends_to_another_runs_folder(tmp_path):
+    """The same --run-name again without --resume stops at start-up; the first run's metrics stay as they were."""
+    args = grpo.Args(num_steps=1, prompts_per_step=4, group_size=4, eval_every=0, output_dir=str(tmp_path),
+                     run_name="same")
+    grpo.main(args)
+    metrics = (tmp_path / "same" / "metrics.jsonl").read_text()
+    with pytest.raises(SystemExit, match="--run-name same: .* already holds a run. Continue it with --resume latest"):
+        grpo.main(args)
+    assert (tmp_path / "same" / "metrics.jsonl").read_text() == metrics
+
+
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_rank_run_resumed_from_a_checkpoint_matches(tmp_path, mode):
     """On 2 ranks each rank restores its own RNG state (its own sampling stream), and under FSDP its
