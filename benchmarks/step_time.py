@@ -56,7 +56,9 @@ def main() -> None:
     parser.add_argument("--files", nargs="+", default=FILES, choices=FILES)
     parser.add_argument("--no-scaling", action="store_true", help="skip the group-size / generation-limit runs")
     parser.add_argument("--no-trl", action="store_true", help="skip the comparison with TRL even if installed")
-    parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="flags passed to every run")
+    parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
+                        help="flags passed to every run (the TRL run takes --prompts-per-step, --group-size, "
+                             "--max-new-tokens, --updates-per-rollout, --learning-rate, --beta, --seed)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)

@@ -54,11 +54,11 @@ def main() -> None:
     def reward(prompts, completions, answer, **kwargs):
         return score(prompts, completions, answer, exact=True)[0].tolist()
 
-    class RoundTimer(TrainerCallback):  # an optimizer step ends; every `updates` of them close a round
-        def __init__(self, updates: int):
-            self.updates, self.ends = updates, []
+    class StepTimer(TrainerCallback):  # when each optimizer step ends; --updates-per-rollout of them make a round
+        def __init__(self):
+            self.ends = []
 
-        def on_step_end(self, *a, **k):
+        def on_step_end(self, *args, **kwargs):
             self.ends.append(time.perf_counter())
 
     batch = args.prompts_per_step * args.group_size
@@ -74,7 +74,7 @@ def main() -> None:
             bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=not torch.cuda.is_available(),
             dataloader_num_workers=0, disable_tqdm=True, log_completions=False)
         model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32)
-        timer = RoundTimer(args.updates_per_rollout)
+        timer = StepTimer()
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                               processing_class=tokenizer, callbacks=[timer])
         start = time.perf_counter()
