@@ -1,6 +1,10 @@
 """The benchmark scripts run (at tiny shapes) and print their figures; the figures themselves are
 measured by running the scripts, not asserted here."""
 
+import json
+
+import pytest
+
 from conftest import ROOT, run
 
 
@@ -89,8 +93,6 @@ def test_gpu_recipe_runs_at_a_tiny_shape_on_cpu(tmp_path):
                   "--group-size", "2", "--prompt-length", "8", "--new-tokens", "4", "--out", str(tmp_path / "r.json")],
                  cwd=ROOT)
     assert result.returncode == 0, result.stderr
-    import json
-
     figures = json.loads((tmp_path / "r.json").read_text())
     assert figures["batch"] == 4 and figures["gen_tokens_per_s"] > 0 and figures["update_tflops_per_s"] > 0
 
@@ -121,8 +123,6 @@ def test_gpu_recipe_flop_count_matches_torch_flop_counter():
 
 def test_trl_comparison_runs_when_trl_is_installed():
     """Skipped without trl (an optional, benchmark-only dependency): pip install -r benchmarks/requirements.txt."""
-    import pytest
-
     pytest.importorskip("trl")
     result = run(["benchmarks/step_time.py", "--steps", "3", "--files", "grpo", "--no-scaling", "--extra",
                   "--prompts-per-step", "4", "--group-size", "4"], cwd=ROOT)
