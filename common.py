@@ -740,6 +740,19 @@ def find_checkpoint(spec: str, run_dir: Path) -> Path:
     return path
 
 
+def prepare_run_dir(run_dir: Path, resume: str | None) -> tuple[Path, Path | None]:
+    """(the run's folder, the checkpoint to resume from or None). Resuming continues in the folder of
+    the run that wrote the checkpoint; a new run never takes a folder that already holds a run, whose
+    metrics it would otherwise append to."""
+    if resume:
+        resume_dir = find_checkpoint(resume, run_dir)
+        return resume_dir.parent, resume_dir
+    if (run_dir / "metrics.jsonl").exists():
+        raise fail(f"--run-name {run_dir.name}: {run_dir} already holds a run. Continue it with --resume latest, "
+                   "or choose another --run-name or --output-dir.")
+    return run_dir, None
+
+
 def load_checkpoint(path: Path, model, optimizer, rank: int, world_size: int) -> tuple[int, dict]:
     """Restore what `save_checkpoint` wrote: weights and optimizer state in place, this rank's RNG state.
     Returns (the step to continue from, this rank's algorithm state)."""

@@ -56,7 +56,6 @@ from common import (
     evaluate,
     exact_div,
     fail,
-    find_checkpoint,
     format_prompt,
     generate,
     get_logprobs,
@@ -67,6 +66,7 @@ from common import (
     load_tokenizer,
     mean_metrics,
     peak_memory_gb,
+    prepare_run_dir,
     print0,
     prompt_batch,
     rollout_logprobs,
@@ -227,13 +227,7 @@ def main(args: Args) -> None:
     exact_div(args.minibatch_size, args.micro_batch_size,
               "--micro-batch-size must divide the sequences per rank and minibatch")
     run_name = args.run_name or f"{Path(__file__).stem}__{args.seed}__{int(time.time())}"
-    run_dir = Path(args.output_dir) / run_name
-    resume_dir = find_checkpoint(args.resume, run_dir) if args.resume else None
-    if resume_dir:  # continue in the folder of the run that wrote the checkpoint
-        run_dir = resume_dir.parent
-    elif (run_dir / "metrics.jsonl").exists():  # a new run would append its metrics to another run's
-        raise fail(f"--run-name {run_name}: {run_dir} already holds a run. Continue it with --resume latest, "
-                   "or choose another --run-name or --output-dir.")
+    run_dir, resume_dir = prepare_run_dir(Path(args.output_dir) / run_name, args.resume)
 
     # Data and the user reward are checked before any model is loaded, so bad input fails fast.
     train_set, eval_set = load_data(args.dataset, args.eval_dataset, args.eval_size)
