@@ -37,7 +37,14 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GenerationConfig,
+    LogitsProcessor,
+)
 
 DEFAULT_MODEL = str(Path(__file__).parent / "tiny_model")  # made by make_tiny_model.py
 transformers.utils.logging.disable_progress_bar()
@@ -110,6 +117,11 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
 def all_reduce_min(x: torch.Tensor) -> torch.Tensor:
     """Minimum of a tensor over ranks (a copy; identity on one process)."""
     return _all_reduce(x, dist.ReduceOp.MIN)
+
+
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """Maximum of a tensor over ranks (a copy; identity on one process)."""
+    return _all_reduce(x, dist.ReduceOp.MAX)
 
 
 def all_reduce_mean(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
@@ -221,13 +233,21 @@ def load_tokenizer(name: str, flag: str = "--model"):
 def load_model(name: str, dtype: str, device: torch.device, tokenizer, auto_class=AutoModelForCausalLM,
                flag: str = "--model"):
     """Any causal LM (or, with `auto_class`, e.g. `AutoModel`, its backbone) by Hugging Face name or local
-    path, dropout off, in `dtype` ("auto": fp32 on CPU, bf16 on GPU), its embeddings grown if
-    `load_tokenizer` added a pad token."""
+    path, every form of dropout off, in `dtype` ("auto": fp32 on CPU, bf16 on GPU), its embeddings grown if
+    `load_tokenizer` added a pad token.
+
+    Log-probs must be a deterministic function of the weights, also in train mode (which
+    --gradient-checkpointing needs): dropout is zeroed in the config before the model is built (attention
+    dropout is applied functionally from it, with no module to switch off; the saved config.json says 0,
+    as trained) and in every dropout module. A causal LM is then checked to return the logits that
+    `get_logprobs` recomputes from its last hidden state (`check_output_logits`)."""
     if dtype == "auto":
         dtype = "bfloat16" if device.type == "cuda" else "float32"
     check_model_name(name, flag)
     try:
-        model = auto_class.from_pretrained(name, dtype=getattr(torch, dtype))
+        config = AutoConfig.from_pretrained(name)
+        _zero_dropout(config)
+        model = auto_class.from_pretrained(name, config=config, dtype=getattr(torch, dtype))
     except (OSError, ValueError) as e:
         raise fail(f"{flag} {name!r}: cannot load it ({str(e).splitlines()[0]}). "
                    "Pass a local folder or a Hugging Face model name reachable from this machine.") from None
@@ -236,10 +256,23 @@ def load_model(name: str, dtype: str, device: torch.device, tokenizer, auto_clas
     model.config.pad_token_id = tokenizer.pad_token_id
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
-    for module in model.modules():  # dropout off: log-probs must be a deterministic function of the weights
-        if isinstance(module, torch.nn.Dropout):
+    for module in model.modules():  # also dropout modules built with a rate of their own, not the config's
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
             module.p = 0.0
-    return model.to(device)
+    model = model.to(device)
+    if model.get_output_embeddings() is not None:
+        check_output_logits(model, name, flag)
+    return model
+
+
+def _zero_dropout(config) -> None:
+    """Every dropout-like rate of a model config (attention_dropout, resid_pdrop, layerdrop, ...) set to 0,
+    in nested configs too."""
+    for key, value in vars(config).items():
+        if "drop" in key and isinstance(value, float):
+            setattr(config, key, 0.0)
+        elif isinstance(value, transformers.PretrainedConfig):
+            _zero_dropout(value)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -366,6 +399,8 @@ class Rollout:
     prompt_length:  P, the padded prompt width (responses start at column P)
     texts:          B decoded responses (EOS and padding removed)
     truncated:      (B,) True where the response hit --max-new-tokens without EOS
+    sampler_logprobs: (B, L) log-prob of each response token under the distribution the sampler drew it
+                    from (0 after EOS; 0 everywhere for greedy decoding, where each token had probability 1)
     """
 
     input_ids: torch.Tensor
@@ -374,6 +409,7 @@ class Rollout:
     prompt_length: int
     texts: list[str]
     truncated: torch.Tensor
+    sampler_logprobs: torch.Tensor
 
 
 def cat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
@@ -392,6 +428,7 @@ def cat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
         prompt_length=P,
         texts=[t for r in rollouts for t in r.texts],
         truncated=torch.cat([r.truncated for r in rollouts]),
+        sampler_logprobs=torch.cat([F.pad(r.sampler_logprobs, (0, L - r.response_mask.shape[1])) for r in rollouts]),
     )
 
 
@@ -399,7 +436,8 @@ def select_rows(rollout: Rollout, rows: torch.Tensor) -> Rollout:
     """The rollout restricted to `rows` (indices or a boolean mask over the B rows)."""
     rows = (rows.nonzero().squeeze(-1) if rows.dtype == torch.bool else rows).to(rollout.input_ids.device)
     return Rollout(rollout.input_ids[rows], rollout.attention_mask[rows], rollout.response_mask[rows],
-                   rollout.prompt_length, [rollout.texts[i] for i in rows.tolist()], rollout.truncated[rows])
+                   rollout.prompt_length, [rollout.texts[i] for i in rows.tolist()], rollout.truncated[rows],
+                   rollout.sampler_logprobs[rows])
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -408,23 +446,63 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return sorted(set(ids) | {tokenizer.eos_token_id} - {None})
 
 
+class SamplerLogprobs(LogitsProcessor):
+    """Sampling's only logits processor: divides the logits by the temperature (so that nothing in
+    transformers runs after it) and keeps the log-probability of each sampled token under that
+    distribution. It holds one step's (B, V) log-softmax at a time: the token drawn from it is read from
+    `input_ids` at the next step, and the last one from the finished sequences (`result`)."""
+
+    def __init__(self, temperature: float):
+        self.temperature, self.previous, self.logprobs = temperature, None, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores / self.temperature
+        self._gather(input_ids[:, -1])
+        self.previous = scores.log_softmax(-1)
+        return scores
+
+    def _gather(self, tokens: torch.Tensor) -> None:
+        if self.previous is not None:
+            self.logprobs.append(self.previous.gather(-1, tokens[:, None]).squeeze(-1))
+            self.previous = None
+
+    def result(self, response: torch.Tensor) -> torch.Tensor:
+        """(B, L) log-probs of the sampled `response` tokens (B, L)."""
+        if len(self.logprobs) < response.shape[1]:
+            self._gather(response[:, len(self.logprobs)])
+        return torch.stack(self.logprobs[: response.shape[1]], 1)
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], group_size: int, max_new_tokens: int, temperature: float,
              greedy: bool = False) -> Rollout:
     """Sample `group_size` completions for each prompt text (already formatted) with `model.generate`.
 
-    top_k=0 and top_p=1.0 are passed explicitly: transformers fills in top_k=50 when unset, and the
-    sampled distribution would then differ from the softmax(logits / T) that the loss assumes."""
+    Sampling is plain softmax(logits / T), the distribution that every loss here assumes (greedy:
+    argmax), whatever the checkpoint's generation_config.json holds: the generation configuration is
+    built here in full, taking only the EOS, pad and BOS ids from the checkpoint. transformers would
+    otherwise merge each field left unset (repetition_penalty, min_p, top_k 50, no_repeat_ngram_size,
+    min_new_tokens, suppress_tokens, ...) from `model.generation_config`, so that one is swapped out for
+    the call (and kept for saving). The sampler's own log-prob of every token is recorded as it samples
+    (`SamplerLogprobs`), so the gap to the trainer's can be logged."""
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     prompt_ids = enc.input_ids.repeat_interleave(group_size, dim=0)
     prompt_mask = enc.attention_mask.repeat_interleave(group_size, dim=0)
     eos_ids = eos_token_ids(model, tokenizer)
-    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id,
+                              bos_token_id=model.generation_config.bos_token_id, do_sample=not greedy)
+    if not greedy:
+        config.top_k = 0  # transformers fills in top_k=50 when unset; the temperature is SamplerLogprobs' step
+    recorder = SamplerLogprobs(temperature)
     # Under FSDP every forward is collective: a rank whose completions all ended keeps stepping with
     # the others (synced_gpus) instead of leaving them waiting for its shards.
     synced = dist.is_initialized() and isinstance(unwrap(model), FSDPModule)
-    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens,
-                         eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, synced_gpus=synced, **sampling)
+    checkpoint_config, model.generation_config = model.generation_config, config
+    try:
+        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
+                             logits_processor=None if greedy else [recorder], synced_gpus=synced)
+    finally:
+        model.generation_config = checkpoint_config
     P = prompt_ids.shape[1]
     response = out[:, P:]  # (B, L); HF pads after EOS with pad_token_id
     is_eos = torch.isin(response, torch.tensor(eos_ids, device=response.device))
@@ -435,6 +513,7 @@ def generate(model, tokenizer, prompts: list[str], group_size: int, max_new_toke
     response = response.masked_fill(response_mask == 0, tokenizer.pad_token_id)
     texts = tokenizer.batch_decode([r[:n] for r, n in zip(response.tolist(), first_eos.tolist())],
                                    skip_special_tokens=True)
+    sampler_logprobs = torch.zeros(response.shape, device=response.device) if greedy else recorder.result(response)
     return Rollout(
         input_ids=torch.cat([prompt_ids, response], 1),
         attention_mask=torch.cat([prompt_mask, response_mask], 1),
@@ -442,16 +521,51 @@ def generate(model, tokenizer, prompts: list[str], group_size: int, max_new_toke
         prompt_length=P,
         texts=texts,
         truncated=~has_eos,
+        sampler_logprobs=sampler_logprobs.masked_fill(response_mask == 0, 0.0),
     )
 
 
-def _token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.nn.Module, temperature: float,
-                    softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The logits `model`'s forward returns, recomputed from its last hidden states (N, H) -> (N, V), in at
+    least fp32: the LM head, then what some architectures apply after it in their forward (Gemma's
+    soft-capping, Cohere's logit_scale, Granite's logits_scaling). The sampler draws from these logits
+    divided by the temperature, so the temperature goes after them, never before."""
+    hf_model = unwrap(model)
+    logits = hf_model.get_output_embeddings()(hidden)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    config = hf_model.config
+    if getattr(config, "logit_scale", None):  # Cohere
+        logits = logits * config.logit_scale
+    if getattr(config, "logits_scaling", None):  # Granite
+        logits = logits / config.logits_scaling
+    if getattr(config, "final_logit_softcapping", None):  # Gemma 2 and 3: cap * tanh(z / cap)
+        logits = config.final_logit_softcapping * torch.tanh(logits / config.final_logit_softcapping)
+    return logits
+
+
+@torch.no_grad()
+def check_output_logits(model, name: str, flag: str = "--model") -> None:
+    """Fail at load time unless `output_logits` reproduces the model's own logits on a few tokens:
+    `get_logprobs` projects hidden states itself (in chunks, to bound memory), so an architecture whose
+    forward changes the logits in a way it does not know would be trained on another distribution than
+    the one sampled. Tolerance: 1e-4 of the largest logit in fp32, 2e-2 in 16-bit (rounding of the
+    model's own transform)."""
+    ids = torch.arange(8, device=model.device)[None] % model.config.get_text_config().vocab_size
+    out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+    theirs = out.logits.float()
+    ours = output_logits(model, out.hidden_states[-1]).float()
+    tolerance = (1e-4 if model.dtype == torch.float32 else 2e-2) * theirs.abs().max().clamp(min=1)
+    difference = (ours - theirs).abs().max()
+    if not difference <= tolerance:
+        raise fail(f"{flag} {name!r}: its forward changes the LM head's logits in a way get_logprobs does not "
+                   f"reproduce (largest difference {difference.item():.3g}). Supported: a plain LM head, "
+                   "final_logit_softcapping, logit_scale, logits_scaling; add its transform to common.output_logits.")
+
+
+def _token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, model, temperature: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(target) and entropy for a chunk of positions: (N, H), (N,) -> (N,), (N,)."""
-    logits = lm_head(hidden)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # (N, V), >= fp32; T as sampled
-    if softcap:  # e.g. Gemma's final_logit_softcapping, applied by its forward before returning logits
-        logits = softcap * torch.tanh(logits / softcap)
+    logits = output_logits(model, hidden) / temperature  # (N, V), >= fp32; T as sampled, after any soft-cap
     lse = logits.logsumexp(-1)
     logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
     with torch.no_grad():  # H = lse - sum_v p_v logit_v, as a batched dot product: no (N, V) product tensor
@@ -475,13 +589,12 @@ def get_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
     hidden = out.hidden_states[-1][:, prompt_length - 1 : -1]  # (B, L, H), after the final norm
     targets = input_ids[:, prompt_length:]  # (B, L)
     B, L, H = hidden.shape
-    hf_model = unwrap(model)
-    lm_head, softcap = hf_model.get_output_embeddings(), getattr(hf_model.config, "final_logit_softcapping", None)
     hidden, targets = hidden.reshape(B * L, H), targets.reshape(B * L)
-    chunk_size = chunk_size or max(1, 2**25 // lm_head.weight.shape[0])  # positions per chunk
+    vocab_size = unwrap(model).get_output_embeddings().weight.shape[0]
+    chunk_size = chunk_size or max(1, 2**25 // vocab_size)  # positions per chunk
     logprobs, entropy = [], []
     for i in range(0, B * L, chunk_size):
-        args = (hidden[i : i + chunk_size], targets[i : i + chunk_size], lm_head, temperature, softcap)
+        args = (hidden[i : i + chunk_size], targets[i : i + chunk_size], model, temperature)
         if torch.is_grad_enabled():
             lp, ent = checkpoint(_token_logprobs, *args, use_reentrant=False)
         else:
@@ -498,6 +611,20 @@ def rollout_logprobs(model, rollout: Rollout, temperature: float, micro_batch_si
     ids, mask, n = rollout.input_ids, rollout.attention_mask, micro_batch_size
     return torch.cat([get_logprobs(model, ids[i : i + n], mask[i : i + n], rollout.prompt_length, temperature)[0]
                       for i in range(0, len(ids), n)] or [rollout.response_mask.float()])  # (0, L) if empty
+
+
+def sampler_logprob_gap(sampler_logprobs: torch.Tensor, logprobs: torch.Tensor, response_mask: torch.Tensor
+                        ) -> dict[str, float]:
+    """How far the trainer's log-probs (B, L) of the sampled tokens are from the sampler's (B, L), over the
+    response tokens of every rank: `policy/sampler_logprob_gap` (mean |difference|) and `_max`. Both are
+    ~1e-6 when the two compute the same distribution in fp32; a large value means the completions were
+    not drawn from the distribution that the loss assumes."""
+    mask = response_mask.bool()
+    difference = torch.where(mask, (sampler_logprobs - logprobs).abs(), 0.0).double()  # (B, L)
+    total = all_reduce_sum(torch.stack([difference.sum(), mask.sum().double()]))
+    largest = all_reduce_max(difference.max() if difference.numel() else difference.new_zeros(()))
+    return {"policy/sampler_logprob_gap": (total[0] / total[1].clamp(min=1)).item(),
+            "policy/sampler_logprob_gap_max": largest.item()}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -68,6 +68,7 @@ from common import (
     print0,
     prompt_batch,
     rollout_logprobs,
+    sampler_logprob_gap,
     save_checkpoint,
     score,
     select_rows,
@@ -342,6 +343,8 @@ def main(args: Args) -> None:
         # 5. old log-probs (no grad), recomputed by the training model: the ratio starts at exactly 1
         with timed(times, "logprobs"):
             b_old_logprobs = rollout_logprobs(model, b_rollout, args.temperature, args.micro_batch_size)  # (B, T)
+        # Guard: were the completions drawn from the distribution the loss assumes? (gap ~1e-6 in fp32)
+        metrics.update(sampler_logprob_gap(b_rollout.sampler_logprobs, b_old_logprobs, b_rollout.response_mask))
 
         # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
         with timed(times, "update"):

@@ -57,6 +57,7 @@ from common import (
     print0,
     prompt_batch,
     rollout_logprobs,
+    sampler_logprob_gap,
     save_checkpoint,
     score,
     setup_distributed,
@@ -297,6 +298,8 @@ def main(args: Args) -> None:
             b_ref_logprobs = None
             if ref_policy is not None:
                 b_ref_logprobs = rollout_logprobs(ref_policy, rollout, args.temperature, args.micro_batch_size)
+        # Guard: were the completions drawn from the distribution the loss assumes? (gap ~1e-6 in fp32)
+        metrics.update(sampler_logprob_gap(rollout.sampler_logprobs, b_old_logprobs, rollout.response_mask))
 
         # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
         with timed(times, "update"):

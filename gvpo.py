@@ -70,6 +70,7 @@ from common import (
     print0,
     prompt_batch,
     rollout_logprobs,
+    sampler_logprob_gap,
     save_checkpoint,
     score,
     setup_distributed,
@@ -297,6 +298,10 @@ def main(args: Args) -> None:
         # replayed ones included: a_i always measures the move away from the current anchor
         with timed(times, "logprobs"):
             b_old_logprobs = rollout_logprobs(model, b_rollout, args.temperature, args.micro_batch_size)  # (B, T)
+        # Guard: were the completions drawn from the distribution the loss assumes? (gap ~1e-6 in fp32) Only the
+        # fresh groups (the first rows): the replayed ones were sampled by older policies.
+        n, L = rollout.response_mask.shape
+        metrics.update(sampler_logprob_gap(rollout.sampler_logprobs, b_old_logprobs[:n, :L], rollout.response_mask))
 
         # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
         with timed(times, "update"):

@@ -68,6 +68,7 @@ from common import (
     prompt_batch,
     reward_model_scores,
     rollout_logprobs,
+    sampler_logprob_gap,
     save_checkpoint,
     score,
     setup_distributed,
@@ -449,6 +450,8 @@ def main(args: Args) -> None:
                     critic_model(b_ids[i : i + args.micro_batch_size], b_attention_mask[i : i + args.micro_batch_size],
                                  rollout.prompt_length)
                     for i in range(0, len(b_ids), args.micro_batch_size)])  # (B, T)
+        # Guard: were the completions drawn from the distribution the loss assumes? (gap ~1e-6 in fp32)
+        metrics.update(sampler_logprob_gap(rollout.sampler_logprobs, b_old_logprobs, rollout.response_mask))
 
         # 5. per-token rewards (score at the end, KL penalty on every token), GAE, advantages whitened over
         # the whole batch (statistics summed over ranks)

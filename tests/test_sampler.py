@@ -1,0 +1,219 @@
+"""The sampler draws from softmax(logits / T) of the policy, the distribution every loss here assumes,
+whatever a checkpoint's generation_config.json holds; the trainer's log-probs reproduce that
+distribution (soft-capped and scaled logits, dropout off in every form); every file logs the gap.
+
+The sampler's distribution is measured independently of common.py: transformers' own record of the
+scores it sampled from (`output_scores`, taken after every logits processor and warper it applied)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from common import (
+    DEFAULT_MODEL,
+    format_prompt,
+    generate,
+    get_logprobs,
+    load_model,
+    load_tokenizer,
+    sampler_logprob_gap,
+)
+from conftest import ALGORITHMS, read_metrics, run
+
+PROMPTS = ("1+2", "45+67", "99+9", "3+30")
+CPU = torch.device("cpu")
+
+# Every field transformers would otherwise merge from the checkpoint into sampling, set to change it.
+HOSTILE_GENERATION_CONFIG = {"repetition_penalty": 1.1, "min_p": 0.1, "no_repeat_ngram_size": 2, "min_new_tokens": 3,
+                             "top_k": 20, "top_p": 0.8, "temperature": 0.7, "do_sample": False}
+
+
+def generate_with_sampler_scores(model, tokenizer, prompts, group_size, max_new_tokens, temperature):
+    """common.generate, plus log p(token) under the scores transformers really sampled from: (rollout, (B, L))."""
+    real, seen = model.generate, {}
+
+    def generate_recording_scores(*args, **kwargs):
+        out = real(*args, **kwargs, output_scores=True, return_dict_in_generate=True)
+        seen["scores"] = out.scores
+        return out.sequences
+
+    model.generate = generate_recording_scores
+    try:
+        rollout = generate(model, tokenizer, prompts, group_size, max_new_tokens, temperature)
+    finally:
+        del model.generate
+    L = rollout.response_mask.shape[1]
+    scores = torch.stack(seen["scores"][:L], 1).float()  # (B, L, V): small models only
+    response = rollout.input_ids[:, rollout.prompt_length :]
+    sampled = scores.log_softmax(-1).gather(-1, response[..., None]).squeeze(-1)
+    return rollout, torch.where(rollout.response_mask.bool(), sampled, 0.0)
+
+
+def check_sampler_matches_trainer(model, tokenizer, temperature: float):
+    """The sampler's log-prob of every sampled token equals the trainer's (1e-4) and what generate records (1e-5)."""
+    torch.manual_seed(0)
+    prompts = [format_prompt(tokenizer, p, True) for p in PROMPTS]
+    rollout, sampler = generate_with_sampler_scores(model, tokenizer, prompts, 8, 8, temperature)
+    trainer, _ = get_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_length, temperature)
+    mask = rollout.response_mask.bool()
+    gap = (sampler - trainer)[mask].abs()
+    assert gap.max() <= 1e-4, f"max {gap.max():.4g}, mean {gap.mean():.4g}"
+    recorded = (rollout.sampler_logprobs - sampler)[mask].abs()
+    assert recorded.max() <= 1e-5, recorded.max()
+    return rollout
+
+
+@pytest.fixture(scope="module")
+def hostile_model(tmp_path_factory):
+    """The default model, with a generation_config.json that sets every sampling field to change sampling."""
+    folder = tmp_path_factory.mktemp("hostile") / "model"
+    shutil.copytree(DEFAULT_MODEL, folder)
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**config, **HOSTILE_GENERATION_CONFIG}))
+    return folder
+
+
+@pytest.mark.parametrize("temperature", [1.0, 1.3])
+def test_a_checkpoint_generation_config_does_not_change_the_sampled_distribution(hostile_model, temperature):
+    """On main before the fix, transformers merged repetition_penalty, min_p, no_repeat_ngram_size and
+    min_new_tokens into sampling: max gap 8.08 nats at T = 1 (mean 1.19). Neutral config: ~3e-6."""
+    tokenizer = load_tokenizer(str(hostile_model))
+    model = load_model(str(hostile_model), "float32", CPU, tokenizer)
+    rollout = check_sampler_matches_trainer(model, tokenizer, temperature)
+    assert len(set(rollout.texts)) > len(PROMPTS)  # sampled, although the checkpoint says do_sample false
+    assert model.generation_config.repetition_penalty == 1.1  # the checkpoint's own config, kept for saving
+
+
+def test_greedy_ignores_the_checkpoint_generation_config_too(hostile_model):
+    plain_tokenizer = load_tokenizer(DEFAULT_MODEL)
+    plain = load_model(DEFAULT_MODEL, "float32", CPU, plain_tokenizer)
+    tokenizer = load_tokenizer(str(hostile_model))
+    model = load_model(str(hostile_model), "float32", CPU, tokenizer)
+    prompts = [format_prompt(tokenizer, p, True) for p in PROMPTS]
+    expected = generate(plain, plain_tokenizer, prompts, 1, 8, 1.0, greedy=True)
+    got = generate(model, tokenizer, prompts, 1, 8, 1.0, greedy=True)
+    assert got.texts == expected.texts
+    assert (got.sampler_logprobs == 0).all()  # greedy: each token had probability 1
+
+
+def random_model(folder, architecture: str, tokenizer):
+    """A tiny random model whose forward transforms the LM head's logits, with logits spread wide enough
+    for the transform to matter (the LM head scaled up)."""
+    import transformers
+
+    shape = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=False,
+                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                 pad_token_id=tokenizer.pad_token_id)
+    own = {"Gemma2": dict(head_dim=32, final_logit_softcapping=30.0), "Cohere": dict(logit_scale=0.0625),
+           "Granite": dict(logits_scaling=8.0)}[architecture]
+    config = getattr(transformers, f"{architecture}Config")(**shape, **own)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{architecture}ForCausalLM")(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_({"Gemma2": 300.0, "Cohere": 3000.0, "Granite": 1000.0}[architecture])
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("architecture", ["Gemma2", "Cohere", "Granite"])
+def test_transformed_logits_are_scored_as_sampled(tmp_path, architecture):
+    """Gemma2 soft-caps its logits (cap * tanh(z / cap)) before the sampler divides by T, Cohere multiplies
+    them by logit_scale, Granite divides them by logits_scaling. On main before the fix, at T = 0.7:
+    max gap Gemma2 2.33 nats (the cap applied after the temperature), Cohere and Granite: see the note."""
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    folder = random_model(tmp_path / architecture, architecture, tokenizer)
+    model = load_model(folder, "float32", CPU, load_tokenizer(folder))
+    check_sampler_matches_trainer(model, load_tokenizer(folder), 0.7)
+
+
+def test_an_unknown_logit_transform_stops_at_load(tmp_path, monkeypatch):
+    """A forward that changes the LM head's logits in a way get_logprobs does not reproduce would train on
+    another distribution than the one sampled: load_model refuses it, naming the flag."""
+    import transformers
+
+    real = transformers.Qwen3ForCausalLM.forward
+
+    def doubled(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        out.logits = out.logits * 2
+        return out
+
+    monkeypatch.setattr(transformers.Qwen3ForCausalLM, "forward", doubled)
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    with pytest.raises(SystemExit, match=r"--model .*its forward changes the LM head's logits"):
+        load_model(DEFAULT_MODEL, "float32", CPU, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def attention_dropout_model(tmp_path_factory):
+    """The default model with attention_dropout 0.1 in its config (applied functionally in train mode)."""
+    folder = tmp_path_factory.mktemp("dropout") / "model"
+    shutil.copytree(DEFAULT_MODEL, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
+    return folder
+
+
+def falcon_with_attention_dropout(folder) -> str:
+    """A tiny random Falcon with attention and hidden dropout 0.1: it reads hidden_dropout from the config
+    at every forward (Qwen3 copies attention_dropout into the module at init)."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    config = FalconConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          attention_dropout=0.1, hidden_dropout=0.1, bos_token_id=tokenizer.bos_token_id,
+                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    FalconForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3", "Falcon"])
+def test_attention_dropout_is_off_in_train_mode(tmp_path, attention_dropout_model, architecture):
+    """--gradient-checkpointing puts the policy in train mode, where dropout rates from the config are applied
+    functionally (no nn.Dropout module to switch off). On main before the fix two passes over the same
+    batch differed by up to 7.0 nats (Qwen3, attention_dropout 0.1)."""
+    folder = str(attention_dropout_model) if architecture == "Qwen3" else falcon_with_attention_dropout(tmp_path)
+    tokenizer = load_tokenizer(folder)
+    model = load_model(folder, "float32", CPU, tokenizer)
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    model.train()
+    torch.manual_seed(0)
+    r = generate(model, tokenizer, [format_prompt(tokenizer, p, True) for p in PROMPTS], 4, 8, 1.0)
+    first, _ = get_logprobs(model, r.input_ids, r.attention_mask, r.prompt_length, 1.0)
+    second, _ = get_logprobs(model, r.input_ids, r.attention_mask, r.prompt_length, 1.0)
+    assert torch.equal(first, second), (first - second).abs().max()
+
+
+def test_attention_dropout_does_not_change_the_update(tmp_path, mixed_dataset, attention_dropout_model):
+    """One rollout step with --gradient-checkpointing (train mode) equals the step without it."""
+    from test_runs import max_relative_difference, one_step
+
+    model = ["--model", str(attention_dropout_model), "--micro-batch-size", "16"]
+    base, base_m = one_step(tmp_path, "grpo", "plain", mixed_dataset, model)
+    new, m = one_step(tmp_path, "grpo", "ckpt", mixed_dataset, [*model, "--gradient-checkpointing"])
+    assert max_relative_difference(base, new) <= 1e-6
+    assert m["policy/grad_norm"] == pytest.approx(base_m["policy/grad_norm"], rel=1e-6)
+
+
+def test_gap_metric_is_a_mean_and_a_max_over_response_tokens():
+    sampler = torch.tensor([[-1.0, -2.0, -5.0], [-0.5, 0.0, 0.0]])
+    trainer = torch.tensor([[-1.1, -2.0, 9.0], [-0.2, 7.0, 0.0]])  # 9.0 and 7.0 sit outside the mask
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    gap = sampler_logprob_gap(sampler, trainer, mask)
+    assert gap["policy/sampler_logprob_gap"] == pytest.approx((0.1 + 0.0 + 0.3) / 3)
+    assert gap["policy/sampler_logprob_gap_max"] == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("algo", ALGORITHMS)
+def test_every_file_logs_the_sampler_gap(tmp_path, algo):
+    result = run([f"{algo}.py", "--num-steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--eval-every",
+                  "0", "--output-dir", str(tmp_path), "--run-name", "gap"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    for m in read_metrics(tmp_path / "gap"):
+        assert 0 <= m["policy/sampler_logprob_gap"] <= m["policy/sampler_logprob_gap_max"] <= 1e-4, m
