@@ -201,7 +201,17 @@ def peak_memory_gb(device: torch.device) -> float:
     """Peak accelerator memory allocated, or this process's peak resident memory on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
+    return peak_rss_bytes() / 2**30
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory: /proc's VmHWM where there is one, since Linux carries
+    `ru_maxrss` over fork and exec, so that a process started by a larger one reports the other's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024  # kB
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux, bytes on macOS: rough
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ naive full fp32 log-softmax, for a vocabulary of 151,936 (Qwen's) at B x T = 8 x
 
 The model is a 1-layer Qwen3 with a small hidden size: what this measures is the vocabulary projection,
 which does not depend on depth. Each measurement runs in its own process; on CPU the figure is the growth
-of peak resident memory (ru_maxrss) over the process's baseline, on GPU torch's max_memory_allocated.
+of peak resident memory (VmHWM) over the process's baseline, on GPU torch's max_memory_allocated.
 
     python benchmarks/logprob_memory.py                     # chunked path at 8 x 2048, naive at 1 x 2048
     python benchmarks/logprob_memory.py --naive-batch 8     # the naive path at full size (~20 GB on CPU)
@@ -14,7 +14,6 @@ per live tensor), so the comparison runs on a 24 GB machine.
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -25,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def peak_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    from common import peak_rss_bytes
+
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()
 
 
 def measure(mode: str, batch: int, seq: int, vocab: int, hidden: int, device: torch.device) -> float:

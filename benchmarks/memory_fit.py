@@ -22,7 +22,6 @@ Not counted: the CUDA context and allocator fragmentation (keep ~10% free), a re
 """
 
 import argparse
-import resource
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -129,7 +128,7 @@ def measure_one(layers: int, hidden: int, intermediate: int, batch: int, seq: in
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
-    from common import get_logprobs
+    from common import get_logprobs, peak_rss_bytes
 
     torch.manual_seed(0)
     vocab = 1024
@@ -138,7 +137,7 @@ def measure_one(layers: int, hidden: int, intermediate: int, batch: int, seq: in
     config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
                          max_position_embeddings=seq, tie_word_embeddings=False)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    base = peak_rss_bytes()
     policy, ref = Qwen3ForCausalLM(config), Qwen3ForCausalLM(config).requires_grad_(False)
     if checkpointing:
         policy.activation_checkpointing_enable({"use_reentrant": False})
@@ -149,7 +148,7 @@ def measure_one(layers: int, hidden: int, intermediate: int, batch: int, seq: in
     logprobs, _ = get_logprobs(policy, ids, mask, 1, 1.0)
     logprobs.sum().backward()
     optimizer.step()
-    measured = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    measured = peak_rss_bytes() - base
     shape = Shape("tiny", layers, hidden, intermediate, 4, 2, vocab=vocab)
     logprob_head = 6 * min(batch * seq, 2**25 // vocab) * vocab * 4  # a chunk's logits and their temporaries
     predicted = peak_bytes(shape, False, 1, checkpointing, batch, seq, 0, w=4, logprob_head=logprob_head)

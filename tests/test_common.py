@@ -282,3 +282,20 @@ def test_gradient_checkpointing_keeps_only_layer_inputs_in_train_mode(tokenizer)
     generate(model, tokenizer, [format_prompt(tokenizer, "1+2", True)], 2, 4, 1.0)
     handle.remove()
     assert len(calls) <= 4  # one forward per new token at most: the KV cache was used
+
+
+def test_peak_memory_is_this_process_own(tmp_path):
+    """Linux carries ru_maxrss over fork and exec: a process started by a larger one would report the
+    other's peak (this made the memory benchmark measure 0 growth when pytest held more than it). The
+    child started here, after this process touched 2 GiB, reports its own peak, far below that."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    held = bytearray(2**31)
+    held[:: 2**12] = b"\x01" * (2**31 // 2**12)  # every page resident
+    child = "import torch; from common import peak_memory_gb; print(peak_memory_gb(torch.device('cpu')))"
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    del held
+    assert 0.05 < float(out.stdout) < 1.5, out.stdout  # torch imported: a few hundred MB, not 2 GiB
