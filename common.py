@@ -16,7 +16,9 @@ import os
 import random
 import re
 import resource
+import select
 import shutil
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -641,11 +643,10 @@ def sampler_logprob_gap(sampler_logprobs: torch.Tensor, logprobs: torch.Tensor, 
 # Rewards
 # ---------------------------------------------------------------------------------------------
 
-_NUMBER = r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?"
-
-
-def extract_answer(text: str) -> str | None:
-    """The final answer of a completion: the last \\boxed{...}, else what follows '####', else the last number."""
+def final_answer(text: str) -> str | None:
+    """The final answer a completion states: the content of its last \\boxed{...}, else what follows its
+    last '####' (GSM8K's format), else None (no explicit answer; `correctness_reward` then lets math-verify
+    look for the last expression in the whole text)."""
     start = text.rfind("\\boxed{")
     if start >= 0:
         depth, i = 1, start + len("\\boxed{")
@@ -656,12 +657,12 @@ def extract_answer(text: str) -> str | None:
         return None  # unclosed brace
     if "####" in text:
         return text.rsplit("####", 1)[1].strip() or None
-    numbers = re.findall(_NUMBER, text)
-    return numbers[-1] if numbers else None
+    return None
 
 
 def _to_number(text: str) -> float | None:
-    text = text.replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
+    """A plain number ('1,234', '-3.5', '$12', '3/4', '1.5e3'), or None."""
+    text = text.replace(",", "").replace("$", "").strip().rstrip(".")  # '12 13' is two numbers, not 1213
     try:
         if "/" in text:
             num, den = text.split("/")
@@ -671,21 +672,114 @@ def _to_number(text: str) -> float | None:
         return None
 
 
-def math_equal(prediction: str | None, answer: str) -> bool:
-    """Numerical comparison when both sides parse as numbers (1e-6 relative), else exact strings."""
-    if prediction is None:
+MATH_VERIFY_TIMEOUT_S = 2.0  # wall-clock seconds math-verify may spend on one completion before it scores 0
+
+# The child process that runs math-verify: one (gold, completion) JSON line in, "1" or "0" out.
+# Its own timeouts are off (they are signal.alarm, which fails outside a main thread and cannot stop C
+# code such as big-integer arithmetic); the parent enforces the deadline. An address-space limit turns a
+# runaway allocation into a MemoryError (scored 0) rather than the machine's OOM killer.
+_MATH_VERIFY_CHILD = r"""
+import json, logging, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (4 * 2**30, 4 * 2**30))
+logging.disable(logging.WARNING)
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+config = [LatexExtractionConfig(), ExprExtractionConfig()]
+print("ready", flush=True)
+for line in sys.stdin:
+    gold, completion = json.loads(line)
+    try:
+        right = verify(parse(gold, config, parsing_timeout=None), parse(completion, config, parsing_timeout=None),
+                       timeout_seconds=None)
+    except Exception:
+        right = False
+    print(int(right), flush=True)
+"""
+
+
+class MathVerifier:
+    """math-verify (the grader of TRL's accuracy reward) in a child process of this one, with a hard
+    deadline: a completion it has not graded within `timeout_s` seconds scores 0, and the child is killed
+    and started afresh. So no completion can hang a step, which under torchrun would leave the other
+    ranks waiting in a collective until the backend's timeout ends the run; and, no signal being used
+    in this process, it works from any thread. One child per process (per rank), started on first use."""
+
+    def __init__(self, timeout_s: float = MATH_VERIFY_TIMEOUT_S):
+        self.timeout_s, self.child, self.timeouts = timeout_s, None, 0
+
+    def _start(self) -> None:
+        if importlib.util.find_spec("math_verify") is None:
+            raise fail("the math reward needs math-verify: pip install -r requirements.txt")
+        self.child = subprocess.Popen([sys.executable, "-c", _MATH_VERIFY_CHILD], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        if not select.select([self.child.stdout], [], [], 120)[0] or self.child.stdout.readline() != "ready\n":
+            self._stop()
+            raise fail("the math reward's math-verify process did not start: check `python -c 'import math_verify'`")
+
+    def _stop(self) -> None:
+        self.child.kill()
+        self.child.wait()
+        self.child = None
+
+    def __call__(self, gold: str, completion: str) -> bool:
+        if self.child is None:
+            self._start()
+        self.child.stdin.write(json.dumps([gold, completion]) + "\n")
+        self.child.stdin.flush()
+        if select.select([self.child.stdout], [], [], self.timeout_s)[0]:
+            answer = self.child.stdout.readline()
+            if answer:
+                return answer == "1\n"
+        self.timeouts += 1  # over the deadline, or the child died: it is replaced for the next completion
+        self._stop()
         return False
-    p, a = _to_number(prediction), _to_number(answer)
-    if p is not None and a is not None:
-        return math.isclose(p, a, rel_tol=1e-6, abs_tol=1e-9)
-    return prediction.strip() == answer.strip()
+
+
+_math_verifier = MathVerifier()
+
+
+def math_reward(completion: str, answer: str) -> bool:
+    """Is `completion` right, for a gold `answer` such as '72', '\\frac{1}{2}', '(1, 3]', 'B' or GSM8K's
+    'reasoning #### 72'? When the completion's final answer (`final_answer`; or the whole completion, if it
+    is a bare number) and the gold answer are both plain numbers they are compared numerically (1e-6
+    relative), which is exact and instant; a gold letter A-J is compared with the letter the completion
+    chooses (`chosen_letter`). Anything else goes to math-verify (`MathVerifier`), which compares them
+    symbolically: fractions, roots, pi, percentages, units, intervals, tuples, sets, equations."""
+    gold = answer.rsplit("####", 1)[-1].strip()
+    stated = final_answer(completion)
+    prediction = stated if stated is not None else completion.strip()
+    numbers = _to_number(gold), _to_number(prediction)
+    if None not in numbers:
+        return math.isclose(*numbers, rel_tol=1e-6, abs_tol=1e-9)
+    letter = re.fullmatch(r"\(?([A-J])\)?", gold)
+    if letter:
+        return chosen_letter(completion) == letter.group(1)
+    if numbers[0] is not None and re.fullmatch(r"-?[\d.]+[eE][-+]?\d+", gold):
+        gold = f"{numbers[0]:f}".rstrip("0").rstrip(".")  # LaTeX reads 1.5e3 as 1.5 times a symbol e
+    if "\\boxed" not in gold and "$" not in gold:
+        gold = f"${gold}$"  # LaTeX, e.g. \frac{1}{2}, (1, 3], \{1, 2\}
+    return _math_verifier(gold, f"\\boxed{{{stated}}}" if stated is not None else completion)
+
+
+def chosen_letter(completion: str) -> str | None:
+    """The multiple-choice letter a completion gives: its final answer ('B', '(B)', '\\text{B}'), else the
+    last '(B)' or 'answer is B' / 'Answer: B' in the text."""
+    stated = final_answer(completion)
+    if stated is not None:
+        letter = re.fullmatch(r"\(?(?:\\text\{)?\s*([A-J])\s*\}?\)?", stated)
+        return letter.group(1) if letter else None
+    found = re.findall(r"\(([A-J])\)|(?i:answer)(?:\s+is|\s*:)?\s*\(?([A-J])\b", completion)
+    return "".join(found[-1]) if found else None
 
 
 def correctness_reward(completions: list[str], answers: list[str], exact: bool) -> torch.Tensor:
     """1.0 where the completion is right: the whole text equals the answer (`exact`, the built-in task),
-    or its extracted final answer equals it numerically (real data)."""
-    right = [c.strip() == a.strip() if exact else math_equal(extract_answer(c), a)
-             for c, a in zip(completions, answers)]
+    or it states the gold answer, by `math_reward` (real data)."""
+    right = [c.strip() == a.strip() if exact else math_reward(c, a) for c, a in zip(completions, answers)]
+    timeouts = _math_verifier.timeouts
+    if timeouts:
+        _math_verifier.timeouts = 0
+        print(f"math reward: {timeouts} completion(s) not graded within {_math_verifier.timeout_s} s scored 0",
+              flush=True)
     return torch.tensor(right, dtype=torch.float32)
 
 

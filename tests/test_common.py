@@ -11,7 +11,7 @@ from common import (
     builtin_splits,
     call_reward_fn,
     cat_rollouts,
-    extract_answer,
+    final_answer,
     format_prompt,
     generate,
     get_logprobs,
@@ -19,7 +19,6 @@ from common import (
     load_model,
     load_reward_fn,
     load_tokenizer,
-    math_equal,
     prompt_batch,
     score,
     select_rows,
@@ -185,25 +184,13 @@ def test_left_padding_does_not_change_logprobs(model, tokenizer):
         ("so the answer is \\boxed{42}.", "42"),
         ("\\boxed{1} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),  # the last box, nested braces
         ("work... #### 1,234", "1,234"),
-        ("3 apples and 5 pears: 8", "8"),
-        ("-3.5 degrees", "-3.5"),
-        ("ratio 3/4", "3/4"),
-        ("no number here", None),
+        ("3 apples and 5 pears: 8", None),  # no explicit answer: math-verify reads the whole text
         ("\\boxed{7", None),  # unclosed: no answer rather than a guess
         ("", None),
     ],
 )
-def test_extract_answer(text, answer):
-    assert extract_answer(text) == answer
-
-
-@pytest.mark.parametrize(
-    "prediction, answer, equal",
-    [("1,234", "1234", True), ("0.5", "1/2", True), ("$12", "12", True), ("12.0", "12", True),
-     ("13", "12", False), (None, "12", False), ("x+1", "x+1", True), ("1/0", "1", False), ("abc", "12", False)],
-)
-def test_math_equal(prediction, answer, equal):
-    assert math_equal(prediction, answer) is equal
+def test_final_answer(text, answer):
+    assert final_answer(text) == answer
 
 
 def test_score_components():
