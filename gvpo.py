@@ -56,6 +56,7 @@ from common import (
     evaluate,
     exact_div,
     fail,
+    fit_prompts,
     format_prompt,
     generate,
     get_logprobs,
@@ -65,6 +66,7 @@ from common import (
     load_reward_fn,
     load_tokenizer,
     mean_metrics,
+    model_positions,
     peak_memory_gb,
     prepare_run_dir,
     print0,
@@ -107,11 +109,22 @@ class Args:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """weights dtype; auto = float32 on CPU, bfloat16 on GPU (log-probs are always computed in float32)"""
     dataset: Optional[str] = None
-    """JSONL file with "prompt" and "answer" fields (default: the built-in a+b task)"""
+    """training data: a JSONL file, a Hugging Face dataset name, or a JSON/Parquet/CSV file or dataset folder
+    (needs `pip install datasets`); default: the built-in a+b task"""
+    dataset_config: Optional[str] = None
+    """configuration of --dataset (e.g. 'main' for openai/gsm8k)"""
+    split: str = "train"
+    """split of --dataset to train on"""
     eval_dataset: Optional[str] = None
-    """held-out JSONL file (default: the last --eval-size rows of --dataset)"""
+    """held-out data, in the same forms (default: --eval-split of --dataset, else its last --eval-size rows)"""
+    eval_split: Optional[str] = None
+    """split of the held-out data (default for --eval-dataset: 'test', or its only split)"""
     eval_size: int = 500
-    """held-out prompts taken from the built-in task or --dataset when there is no --eval-dataset"""
+    """held-out prompts taken from the built-in task or --dataset when there is no --eval-dataset or --eval-split"""
+    prompt_field: str = "prompt"
+    """the rows' prompt field (e.g. 'question' for openai/gsm8k, 'problem' for MATH)"""
+    answer_field: str = "answer"
+    """the rows' gold-answer field; a final \\boxed{} or GSM8K's '#### 72' in it is found"""
     chat_template: bool = True
     """wrap prompts in the tokenizer's chat template, when it has one"""
     format_weight: float = 0.0
@@ -126,6 +139,9 @@ class Args:
     """prompts per rollout, over all ranks"""
     group_size: int = 8
     """G: completions sampled per prompt"""
+    max_prompt_length: Optional[int] = None
+    """drop prompts longer than this many tokens after the chat template (default: only those that leave no
+    room for --max-new-tokens in the model's positions are dropped)"""
     max_new_tokens: int = 8
     """generation limit per completion; a completion that reaches it without EOS is 'truncated'"""
     temperature: float = 1.0
@@ -230,10 +246,14 @@ def main(args: Args) -> None:
     run_name = args.run_name or f"{Path(__file__).stem}__{args.seed}__{int(time.time())}"
     run_dir, resume_dir = prepare_run_dir(Path(args.output_dir) / run_name, args.resume)
 
-    # Data and the user reward are checked before any model is loaded, so bad input fails fast.
-    train_set, eval_set = load_data(args.dataset, args.eval_dataset, args.eval_size)
+    # Data, prompts and the user reward are checked before any model is loaded, so bad input fails fast.
+    train_set, eval_set = load_data(args.dataset, args.eval_dataset, args.eval_size, args.dataset_config, args.split,
+                                    args.eval_split, args.prompt_field, args.answer_field)
     exact = args.dataset is None  # the built-in task's answers are compared as whole strings
     reward_fn = load_reward_fn(args.reward_fn, train_set[:2]) if args.reward_fn else None
+    tokenizer = load_tokenizer(args.model)
+    train_set, eval_set = fit_prompts(train_set, eval_set, tokenizer, args.chat_template, args.max_prompt_length,
+                                      args.max_new_tokens, model_positions(args.model))
 
     exact_div(args.minibatch_size, args.group_size, "--num-minibatches must split the sequences per rank into "
               "whole groups (a multiple of --group-size)")
@@ -242,7 +262,6 @@ def main(args: Args) -> None:
     # Same seed on every rank while loading, so any newly initialised weights (an added pad token's
     # embedding) are identical; then seed + rank, or every rank would sample the same completions.
     torch.manual_seed(args.seed)
-    tokenizer = load_tokenizer(args.model)
     policy = load_model(args.model, args.dtype, device, tokenizer)
     if args.gradient_checkpointing:  # HF recomputes layers in train mode only (dropout is off: nothing else changes)
         policy.activation_checkpointing_enable({"use_reentrant": False})

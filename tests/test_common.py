@@ -15,9 +15,9 @@ from common import (
     format_prompt,
     generate,
     get_logprobs,
-    load_jsonl,
     load_model,
     load_reward_fn,
+    load_rows,
     load_tokenizer,
     prompt_batch,
     score,
@@ -71,10 +71,10 @@ def test_prompt_batch_shards_one_global_order():
     assert prompt_batch(examples, 0, 4, 0, 1, seed=4) != prompt_batch(examples, 0, 4, 0, 1, seed=3)
 
 
-def test_load_jsonl(tmp_path):
+def test_load_rows_of_jsonl(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"prompt": "1+1", "answer": 2}\n\n{"prompt": "x", "answer": "y", "extra": 1}\n')
-    assert load_jsonl(str(path)) == [{"prompt": "1+1", "answer": "2"}, {"prompt": "x", "answer": "y"}]
+    assert load_rows(str(path)) == [{"prompt": "1+1", "answer": "2"}, {"prompt": "x", "answer": "y"}]
 
 
 @pytest.mark.parametrize(
@@ -82,15 +82,15 @@ def test_load_jsonl(tmp_path):
     [
         ('{"prompt": "a", "answer": "b"}\n{"prompt": "a" "answer"}\n', "d.jsonl:2: not valid JSON"),
         ('{"prompt": "a", "answer": "b"}\n{"prompt": "a"}\n', "d.jsonl:2: missing field answer"),
-        ('["prompt", "answer"]\n', "d.jsonl:1: missing field prompt, answer"),
+        ('["prompt", "answer"]\n', "d.jsonl:1: not an object with the fields 'prompt' and 'answer'"),
         ("\n\n", "has no examples"),
     ],
 )
-def test_load_jsonl_errors_name_file_and_line(tmp_path, content, message):
+def test_load_rows_errors_name_file_and_line(tmp_path, content, message):
     path = tmp_path / "d.jsonl"
     path.write_text(content)
     with pytest.raises(SystemExit, match=message):
-        load_jsonl(str(path))
+        load_rows(str(path))
 
 
 # --- generation and log-probs -------------------------------------------------------------------

@@ -1,0 +1,187 @@
+"""Real data: JSONL and `datasets` sources (files the tests write; nothing from the Hub), field names,
+splits, bad rows named by file and line, and prompts that do not fit the model never trained on."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import grpo
+from common import load_data
+from conftest import read_metrics, run
+
+GSM8K_LIKE = [{"question": f"what is {a} plus {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
+              for a in range(10, 40) for b in range(3)]  # in the characters the default model's tokenizer knows
+
+
+def write_jsonl(path: Path, rows: list, raw: bytes = b"") -> str:
+    path.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in rows) + raw)
+    return str(path)
+
+
+def main_fails(tmp_path, message: str, **overrides):
+    """grpo.main stops with `message` (a SystemExit naming the flag, file or row) and writes nothing."""
+    args = grpo.Args(**{"num_steps": 1, "prompts_per_step": 4, "group_size": 4, "eval_every": 0,
+                        "output_dir": str(tmp_path / "runs"), "run_name": "bad", **overrides})
+    with pytest.raises(SystemExit, match=message):
+        grpo.main(args)
+    assert not (tmp_path / "runs").exists()
+
+
+# --- JSONL, read without `datasets` ----------------------------------------------------------------
+
+
+def test_jsonl_with_named_fields_and_gsm8k_answers(tmp_path):
+    path = write_jsonl(tmp_path / "gsm.jsonl", GSM8K_LIKE)
+    train, held_out = load_data(path, None, 10, prompt_field="question", answer_field="answer")
+    assert len(train) == 80 and len(held_out) == 10
+    assert train[0] == {"prompt": "what is 10 plus 0?", "answer": "10 + 0 = 10\n#### 10"}
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"prompt": "1+1", "answer": None}, r"d\.jsonl:3: field answer is null"),
+    ({"prompt": None, "answer": "2"}, r"d\.jsonl:3: field prompt is null"),
+    ({"prompt": "1+1", "answer": ["2"]}, r"d\.jsonl:3: field answer is a list"),
+    ({"question": "1+1", "answer": "2"}, r"d\.jsonl:3: missing field prompt.*--prompt-field"),
+])
+def test_jsonl_bad_rows_stop_naming_file_and_line(tmp_path, bad, message):
+    """On main before the fix a null answer became the string 'None' and was trained on."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1", "answer": "2"}] * 2 + [bad])
+    with pytest.raises(SystemExit, match=message):
+        load_data(path, None, 1)
+
+
+def test_jsonl_that_is_not_utf8_names_the_line(tmp_path):
+    not_utf8 = b'{"prompt": "\xff", "answer": "1"}\n'
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1", "answer": "2"}], raw=not_utf8)
+    with pytest.raises(SystemExit, match=r"d\.jsonl:2: not UTF-8"):
+        load_data(path, None, 1)
+
+
+def test_a_null_answer_stops_the_run_before_anything_is_written(tmp_path):
+    rows = [{"prompt": f"{a}+1", "answer": str(a + 1)} for a in range(20)] + [{"prompt": "9+9", "answer": None}]
+    main_fails(tmp_path, r"train\.jsonl:21: field answer is null", dataset=write_jsonl(tmp_path / "train.jsonl", rows),
+               eval_size=4)
+
+
+# --- datasets: JSON, Parquet, a folder of files, a save_to_disk folder ---------------------------------
+
+
+def test_datasets_sources_and_splits(tmp_path):
+    import datasets
+
+    parquet = tmp_path / "gsm.parquet"
+    datasets.Dataset.from_list(GSM8K_LIKE).to_parquet(str(parquet))
+    (tmp_path / "gsm.json").write_text(json.dumps(GSM8K_LIKE))  # one JSON array, not JSONL
+    folder = tmp_path / "files"  # a dataset repository's layout: one file per split
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", GSM8K_LIKE[:60])
+    write_jsonl(folder / "test.jsonl", GSM8K_LIKE[60:])
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(GSM8K_LIKE[:60]),
+                          "test": datasets.Dataset.from_list(GSM8K_LIKE[60:])}).save_to_disk(str(saved))
+    fields = dict(prompt_field="question", answer_field="answer")
+    for source in (parquet, tmp_path / "gsm.json"):
+        train, held_out = load_data(str(source), None, 10, **fields)
+        assert len(train) == 80 and held_out[-1]["prompt"] == "what is 39 plus 2?"
+    for source in (folder, saved):
+        train, held_out = load_data(str(source), None, 10, eval_split="test", **fields)
+        assert (len(train), len(held_out)) == (60, 30), source
+        assert held_out[0]["prompt"] == "what is 30 plus 0?"
+        _, held_out = load_data(str(parquet), str(source), 10, **fields)  # --eval-dataset: its 'test' split
+        assert len(held_out) == 30
+    with pytest.raises(SystemExit, match=r"--dataset .*saved.*: no split 'validation'; it has \['train', 'test'\]"):
+        load_data(str(saved), None, 10, split="validation", **fields)
+    with pytest.raises(SystemExit, match=r"gsm\.parquet \[train\] row 0: missing field prompt"):
+        load_data(str(parquet), None, 10)
+
+
+def test_a_null_answer_in_a_parquet_file_names_the_row(tmp_path):
+    import datasets
+
+    path = tmp_path / "d.parquet"
+    rows = [{"prompt": "1+1", "answer": "2"}, {"prompt": "2+2", "answer": None}]
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    with pytest.raises(SystemExit, match=r"d\.parquet \[train\] row 1: field answer is null"):
+        load_data(str(path), None, 1)
+
+
+def test_without_datasets_the_message_names_the_pip_command(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_datasets(name, *args, **kwargs):
+        if name == "datasets":
+            raise ImportError("No module named 'datasets'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_datasets)
+    (tmp_path / "d.parquet").write_bytes(b"")
+    with pytest.raises(SystemExit, match=r"--dataset .*d\.parquet.* needs the datasets package: pip install datasets"):
+        load_data(str(tmp_path / "d.parquet"), None, 1)
+    assert load_data(write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "b"}] * 3), None, 1)  # JSONL: fine
+
+
+def test_a_saved_dataset_trains_end_to_end(tmp_path):
+    import datasets
+
+    saved = tmp_path / "gsm"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(GSM8K_LIKE[:60]),
+                          "test": datasets.Dataset.from_list(GSM8K_LIKE[60:68])}).save_to_disk(str(saved))
+    result = run(["grpo.py", "--dataset", str(saved), "--eval-split", "test", "--prompt-field", "question",
+                  "--num-steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "2",
+                  "--output-dir", str(tmp_path), "--run-name", "gsm"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert [m["step"] for m in read_metrics(tmp_path / "gsm")] == [0, 1, 2]
+
+
+# --- prompts that do not fit ------------------------------------------------------------------------
+
+
+def gpt2_with_positions(folder: Path, positions: int) -> str:
+    """A tiny random GPT-2 (learned absolute positions: an index past the table fails) with the default
+    model's tokenizer."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from common import DEFAULT_MODEL, load_tokenizer
+
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=positions, n_embd=32, n_layer=1, n_head=2,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def test_a_prompt_that_does_not_fit_the_model_is_dropped_with_a_count(tmp_path):
+    """On main before the fix the long prompt was sampled at step 0 and the run crashed there (IndexError in
+    GPT-2's position embeddings); a RoPE model would have trained on it silently."""
+    model = gpt2_with_positions(tmp_path / "gpt2", positions=64)
+    rows = [{"prompt": f"{a}+{b}", "answer": str(a + b)} for a in range(10, 13) for b in range(10, 14)]
+    rows[0]["prompt"] = "1" * 40 + "+1"  # 42 characters: with the chat template and 8 new tokens, over 64
+    data = write_jsonl(tmp_path / "train.jsonl", rows)  # 12 rows: 8 to train on, all sampled at step 0
+    result = run(["grpo.py", "--model", model, "--dataset", data, "--eval-size", "4", "--num-steps", "1",
+                  "--prompts-per-step", "8", "--group-size", "2", "--eval-every", "0", "--output-dir", str(tmp_path),
+                  "--run-name", "fit"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "training data: dropped 1 of 8 prompts longer than 56 tokens" in result.stdout
+
+
+def test_a_prompt_the_tokenizer_cannot_encode_stops_naming_row_and_character(tmp_path):
+    """The default model's word-level tokenizer knows 49 characters; on main before the fix a prompt with
+    another one failed inside generate, mid-run, with no row named."""
+    rows = [{"prompt": f"{a}+1", "answer": str(a + 1)} for a in range(20)]
+    rows[5]["prompt"] = "What is 8*8? Put the final answer in \\boxed{}."
+    main_fails(tmp_path, r"training data, row 5: the tokenizer of --model cannot encode 'W' in the prompt 'What is 8",
+               dataset=write_jsonl(tmp_path / "train.jsonl", rows), eval_size=4)
+
+
+def test_max_prompt_length_drops_and_a_set_left_empty_stops(tmp_path):
+    data = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "1" * n + "+1", "answer": "2"} for n in range(1, 41)])
+    held_out = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "1" * 30 + "+1", "answer": "2"}] * 3)
+    main_fails(tmp_path, r"held-out data: all 3 prompts are longer than 40 tokens .*--max-prompt-length",
+               dataset=data, eval_dataset=held_out, max_prompt_length=40)
+    main_fails(tmp_path, r"--max-new-tokens 200 leaves no room for a prompt in the model's 128 positions",
+               dataset=data, eval_dataset=held_out, max_new_tokens=200)
