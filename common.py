@@ -460,8 +460,11 @@ def fit_prompts(train: list[dict], held_out: list[dict], tokenizer, chat_templat
     if limit < 1:
         raise fail(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's {positions} "
                    "positions. Lower --max-new-tokens.")
-    why = (f"longer than {limit} tokens (--max-prompt-length {max_prompt_length}; the model takes {positions} "
-           f"positions, --max-new-tokens {max_new_tokens} of them for the completion)")
+    if limit == max_prompt_length:
+        why = f"longer than --max-prompt-length {limit} tokens"
+    else:
+        why = (f"longer than {limit} tokens (the model takes {positions} positions, --max-new-tokens "
+               f"{max_new_tokens} of them for the completion)")
     fitted = []
     for examples, what in ((train, "training data"), (held_out, "held-out data")):
         texts = [format_prompt(tokenizer, e["prompt"], chat_template) for e in examples]

@@ -181,7 +181,7 @@ def test_a_prompt_the_tokenizer_cannot_encode_stops_naming_row_and_character(tmp
 def test_max_prompt_length_drops_and_a_set_left_empty_stops(tmp_path):
     data = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "1" * n + "+1", "answer": "2"} for n in range(1, 41)])
     held_out = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "1" * 30 + "+1", "answer": "2"}] * 3)
-    main_fails(tmp_path, r"held-out data: all 3 prompts are longer than 40 tokens .*--max-prompt-length",
+    main_fails(tmp_path, r"held-out data: all 3 prompts are longer than --max-prompt-length 40 tokens",
                dataset=data, eval_dataset=held_out, max_prompt_length=40)
     main_fails(tmp_path, r"--max-new-tokens 200 leaves no room for a prompt in the model's 128 positions",
                dataset=data, eval_dataset=held_out, max_new_tokens=200)
