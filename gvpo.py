@@ -169,7 +169,8 @@ class Args:
     beta: float = 0.1
     """KL strength toward the anchor; implicit reward beta * (log pi_theta - log pi_theta') (official code: 0.1)"""
     reuse_steps: int = 0
-    """also train on the groups sampled in the previous K steps (0: on-policy only)"""
+    """also train on the groups sampled in the previous K steps (0: on-policy only); pair it with
+    --updates-per-rollout 1, so that each group is trained in as many passes as on-policy (README)"""
 
     # Computed at runtime
     world_size: tyro.conf.Suppress[int] = 1
