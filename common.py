@@ -846,7 +846,7 @@ class MathVerifier:
         self.child = None
 
     def __call__(self, gold: str, completion: str) -> bool:
-        if self.child is None:
+        if self.child is None or self.child.poll() is not None:  # not started yet, or ended from outside
             self._start()
         self.child.stdin.write(json.dumps([gold, completion]) + "\n")
         self.child.stdin.flush()

@@ -116,3 +116,12 @@ def test_grading_works_outside_the_main_thread():
     thread.start()
     thread.join(timeout=60)
     assert results == [[1.0, 0.0]]
+
+
+def test_a_child_that_died_between_completions_is_started_again():
+    """A grader child killed from outside (the OOM killer, a signal) is replaced, not written to."""
+    grade = MathVerifier()
+    assert grade("$1$", r"\boxed{1}")
+    grade.child.kill()
+    grade.child.wait()
+    assert grade("$1$", r"\boxed{1}") and grade.timeouts == 0
