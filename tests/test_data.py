@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-import grpo
 from common import load_data
 from conftest import read_metrics, run
+from test_runs import main_fails  # grpo.main stops with the message and writes nothing
 
 GSM8K_LIKE = [{"question": f"what is {a} plus {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
               for a in range(10, 40) for b in range(3)]  # in the characters the default model's tokenizer knows
@@ -17,15 +17,6 @@ GSM8K_LIKE = [{"question": f"what is {a} plus {b}?", "answer": f"{a} + {b} = {a 
 def write_jsonl(path: Path, rows: list, raw: bytes = b"") -> str:
     path.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in rows) + raw)
     return str(path)
-
-
-def main_fails(tmp_path, message: str, **overrides):
-    """grpo.main stops with `message` (a SystemExit naming the flag, file or row) and writes nothing."""
-    args = grpo.Args(**{"num_steps": 1, "prompts_per_step": 4, "group_size": 4, "eval_every": 0,
-                        "output_dir": str(tmp_path / "runs"), "run_name": "bad", **overrides})
-    with pytest.raises(SystemExit, match=message):
-        grpo.main(args)
-    assert not (tmp_path / "runs").exists()
 
 
 # --- JSONL, read without `datasets` ----------------------------------------------------------------
