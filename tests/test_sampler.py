@@ -68,10 +68,14 @@ def check_sampler_matches_trainer(model, tokenizer, temperature: float):
 @pytest.fixture(scope="module")
 def hostile_model(tmp_path_factory):
     """The default model, with a generation_config.json that sets every sampling field to change sampling."""
-    folder = tmp_path_factory.mktemp("hostile") / "model"
+    return default_model_with(tmp_path_factory.mktemp("hostile"), "generation_config.json", HOSTILE_GENERATION_CONFIG)
+
+
+def default_model_with(parent, file: str, changes: dict):
+    """A copy of the default model in `parent`, its JSON `file` updated with `changes`."""
+    folder = parent / "model"
     shutil.copytree(DEFAULT_MODEL, folder)
-    config = json.loads((folder / "generation_config.json").read_text())
-    (folder / "generation_config.json").write_text(json.dumps({**config, **HOSTILE_GENERATION_CONFIG}))
+    (folder / file).write_text(json.dumps({**json.loads((folder / file).read_text()), **changes}))
     return folder
 
 
@@ -151,11 +155,7 @@ def test_an_unknown_logit_transform_stops_at_load(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def attention_dropout_model(tmp_path_factory):
     """The default model with attention_dropout 0.1 in its config (applied functionally in train mode)."""
-    folder = tmp_path_factory.mktemp("dropout") / "model"
-    shutil.copytree(DEFAULT_MODEL, folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
-    return folder
+    return default_model_with(tmp_path_factory.mktemp("dropout"), "config.json", {"attention_dropout": 0.1})
 
 
 def falcon_with_attention_dropout(folder) -> str:
