@@ -50,6 +50,7 @@ from common import (
     Logger,
     all_reduce_mean,
     all_reduce_sum,
+    claim_run_dir,
     cleanup_distributed,
     clip_grad_norm,
     evaluate,
@@ -99,8 +100,11 @@ class Args:
     """evaluate on the held-out split every N steps, and at the end (0: never)"""
     save_every: int = 0
     """save a resumable checkpoint (weights, optimizer, RNG, step) every N steps (0: only the final weights)"""
+    keep_checkpoints: int = 0
+    """keep only the newest N step checkpoints, removing older ones after each save (0: keep all)"""
     resume: Optional[str] = None
-    """continue from a checkpoint folder (<run>/step_N), or 'latest' for the newest of --run-name's run"""
+    """continue from a checkpoint folder <run>/step_N (in <run>, or in --run-name's folder when given), or
+    'latest' for the newest checkpoint of --run-name's run"""
 
     # Model & data
     model: str = DEFAULT_MODEL
@@ -250,8 +254,8 @@ def main(args: Args) -> None:
     args.micro_batch_size = args.micro_batch_size or args.minibatch_size
     exact_div(args.minibatch_size, args.micro_batch_size,
               "--micro-batch-size must divide the sequences per rank and minibatch")
-    run_name = args.run_name or f"{Path(__file__).stem}__{args.seed}__{int(time.time())}"
-    run_dir, resume_dir = prepare_run_dir(Path(args.output_dir) / run_name, args.resume)
+    run_info = {"algorithm": Path(__file__).name, "config": asdict(args)}  # recorded in every checkpoint
+    run_dir, resume_dir = prepare_run_dir(run_info, rank)  # where it writes, and from what it resumes
 
     # Data, prompts and the user reward are checked before any model is loaded, so bad input fails fast.
     train_set, eval_set = load_data(args.dataset, args.eval_dataset, args.eval_size, args.dataset_config, args.split,
@@ -273,12 +277,14 @@ def main(args: Args) -> None:
         shard_model(policy, device)
     torch.manual_seed(args.seed + rank)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    trained = {"policy": policy}  # what the optimizer updates: saved to and restored from checkpoints
     start_step, last_checkpoint = 0, None
     if resume_dir:  # weights, optimizer, RNG and step as saved: the run goes on as if it never stopped
-        start_step, _ = load_checkpoint(resume_dir, policy, optimizer, rank, args.world_size)
+        start_step, _ = load_checkpoint(resume_dir, trained, optimizer, rank)
         last_checkpoint = resume_dir
     model = DDP(policy) if args.world_size > 1 and not args.fsdp else policy  # averages gradients over ranks
-    logger = Logger(run_dir, asdict(args), rank, args.track, start_step)
+    claim_run_dir(run_dir, resume_dir, rank)  # from here on this run writes there; a run holding it stops here
+    logger = Logger(run_dir, asdict(args), rank, args.track)
     print0(f"{args.prompts_per_step} prompts x {args.group_size} completions = "
            f"{args.prompts_per_step * args.group_size} sequences per step on {args.world_size} rank(s), "
            f"up to {args.prompts_per_step * args.group_size * args.max_new_tokens} response tokens; "
@@ -372,12 +378,13 @@ def main(args: Args) -> None:
         logger.log(step, all_reduce_mean(metrics, device))
         if args.save_every and (step + 1) % args.save_every == 0:
             last_checkpoint = run_dir / f"step_{step + 1}"
-            save_checkpoint(policy, tokenizer, last_checkpoint, rank, optimizer, step + 1, extra_state())
+            save_checkpoint(last_checkpoint, trained, tokenizer, rank, run_info, optimizer, step + 1, extra_state(),
+                            args.keep_checkpoints)
 
     if args.eval_every:
         logger.log(args.num_steps, evaluate(policy, tokenizer, eval_set, args.chat_template, exact,
                                             args.max_new_tokens, rank, args.world_size, args.seed))
-    save_checkpoint(policy, tokenizer, run_dir / "final", rank)
+    save_checkpoint(run_dir / "final", trained, tokenizer, rank, run_info)
     print0(f"done: {run_dir / 'final'}")
     logger.close()
 

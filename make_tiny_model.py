@@ -16,7 +16,7 @@ import tyro
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from common import builtin_splits, correctness_reward, evaluate, format_prompt, generate, save_checkpoint
+from common import builtin_splits, correctness_reward, evaluate, format_prompt, generate
 
 # ChatML, as Qwen's chat models write it; `<|im_end|>` ends the assistant's turn and is the EOS token.
 CHAT_TEMPLATE = (
@@ -105,7 +105,8 @@ def main(args: Args) -> None:
     right = correctness_reward(texts, [e["answer"] for e in eval_set for _ in range(8)], exact=True).view(-1, 8)
     metrics["eval/pass@8"] = right.max(-1).values.mean().item()
     print(" | ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
-    save_checkpoint(model, tokenizer, Path(args.output_dir))
+    model.save_pretrained(args.output_dir)
+    tokenizer.save_pretrained(args.output_dir)
     print(f"wrote {args.output_dir}")
 
 

@@ -47,6 +47,7 @@ from common import (
     Logger,
     all_reduce_mean,
     all_reduce_sum,
+    claim_run_dir,
     cleanup_distributed,
     clip_grad_norm,
     evaluate,
@@ -98,8 +99,11 @@ class Args:
     """evaluate on the held-out split every N steps, and at the end (0: never)"""
     save_every: int = 0
     """save a resumable checkpoint (weights, optimizer, RNG, step) every N steps (0: only the final weights)"""
+    keep_checkpoints: int = 0
+    """keep only the newest N step checkpoints, removing older ones after each save (0: keep all)"""
     resume: Optional[str] = None
-    """continue from a checkpoint folder (<run>/step_N), or 'latest' for the newest of --run-name's run"""
+    """continue from a checkpoint folder <run>/step_N (in <run>, or in --run-name's folder when given), or
+    'latest' for the newest checkpoint of --run-name's run"""
 
     # Model & data
     model: str = DEFAULT_MODEL
@@ -353,8 +357,6 @@ def main(args: Args) -> None:
     rank, args.world_size, device = setup_distributed()
     if args.group_size < 1:
         raise fail(f"--group-size {args.group_size}: sample at least 1 completion per prompt.")
-    if args.fsdp and (args.save_every or args.resume):  # policy and critic share one optimizer: not yet saved
-        raise fail("ppo.py: --fsdp runs save only the final weights for now: drop --save-every / --resume.")
     if args.target_kl is not None and args.target_kl <= 0:
         raise fail(f"--target-kl {args.target_kl}: must be positive (or leave it out to keep --beta fixed).")
     if args.fsdp and args.world_size < 2:
@@ -368,8 +370,8 @@ def main(args: Args) -> None:
     args.micro_batch_size = args.micro_batch_size or args.minibatch_size
     exact_div(args.minibatch_size, args.micro_batch_size,
               "--micro-batch-size must divide the sequences per rank and minibatch")
-    run_name = args.run_name or f"{Path(__file__).stem}__{args.seed}__{int(time.time())}"
-    run_dir, resume_dir = prepare_run_dir(Path(args.output_dir) / run_name, args.resume)
+    run_info = {"algorithm": Path(__file__).name, "config": asdict(args)}  # recorded in every checkpoint
+    run_dir, resume_dir = prepare_run_dir(run_info, rank)  # where it writes, and from what it resumes
 
     # Data, prompts and the user reward are checked before any model is loaded, so bad input fails fast.
     train_set, eval_set = load_data(args.dataset, args.eval_dataset, args.eval_size, args.dataset_config, args.split,
@@ -415,22 +417,22 @@ def main(args: Args) -> None:
         {"params": policy.parameters()},
         {"params": critic.parameters(), "lr": args.critic_learning_rate or args.learning_rate},
     ], lr=args.learning_rate, weight_decay=args.weight_decay)
+    trained = {"policy": policy, "critic": critic}  # what the optimizer updates: saved to and restored from checkpoints
     start_step, last_checkpoint, beta = 0, None, args.beta
     if resume_dir:  # weights, optimizer, RNG and step as saved: the run goes on as if it never stopped
-        start_step, extra = load_checkpoint(resume_dir, policy, optimizer, rank, args.world_size)
+        start_step, extra = load_checkpoint(resume_dir, trained, optimizer, rank)
         last_checkpoint, beta = resume_dir, extra["beta"]
-        if rank == 0:  # the critic is saved once, by rank 0; DDP copies rank 0's weights when it wraps
-            critic.load_state_dict(extra["critic"])
     model = DDP(policy) if args.world_size > 1 and not args.fsdp else policy  # averages gradients over ranks
     critic_model = DDP(critic) if args.world_size > 1 and not args.fsdp else critic
-    logger = Logger(run_dir, asdict(args), rank, args.track, start_step)
+    claim_run_dir(run_dir, resume_dir, rank)  # from here on this run writes there; a run holding it stops here
+    logger = Logger(run_dir, asdict(args), rank, args.track)
     print0(f"{args.prompts_per_step} prompts x {args.group_size} completions = "
            f"{args.prompts_per_step * args.group_size} sequences per step on {args.world_size} rank(s), "
            f"up to {args.prompts_per_step * args.group_size * args.max_new_tokens} response tokens; "
            f"{args.updates_per_rollout * args.num_minibatches} optimizer steps per rollout")
 
     def extra_state() -> dict:  # what a checkpoint holds beyond weights, optimizer, RNG and step, per rank
-        return {"beta": beta, **({"critic": critic.state_dict()} if rank == 0 else {})}
+        return {"beta": beta}  # the critic's weights are saved with the policy's (trained)
 
     for step in range(start_step, args.num_steps):
         step_start, times, metrics = time.perf_counter(), {}, {}
@@ -550,12 +552,13 @@ def main(args: Args) -> None:
         logger.log(step, all_reduce_mean(metrics, device))
         if args.save_every and (step + 1) % args.save_every == 0:
             last_checkpoint = run_dir / f"step_{step + 1}"
-            save_checkpoint(policy, tokenizer, last_checkpoint, rank, optimizer, step + 1, extra_state())
+            save_checkpoint(last_checkpoint, trained, tokenizer, rank, run_info, optimizer, step + 1, extra_state(),
+                            args.keep_checkpoints)
 
     if args.eval_every:
         logger.log(args.num_steps, evaluate(policy, tokenizer, eval_set, args.chat_template, exact,
                                             args.max_new_tokens, rank, args.world_size, args.seed))
-    save_checkpoint(policy, tokenizer, run_dir / "final", rank)
+    save_checkpoint(run_dir / "final", trained, tokenizer, rank, run_info)
     print0(f"done: {run_dir / 'final'}")
     logger.close()
 

@@ -148,3 +148,14 @@ def test_real_model_recipe_runs_at_a_tiny_shape(tmp_path):
     summary = json.loads((tmp_path / "grpo-gsm8k.json").read_text())
     assert 0 <= summary["accuracy_before"] <= 1 and 0 <= summary["accuracy_after"] <= 1
     assert "--prompt-field" in summary["command"] and "--learning-rate" in summary["command"]
+
+
+def test_checkpoint_memory_benchmark_runs():
+    result = run(["benchmarks/checkpoint_memory.py", "--layers", "1", "--hidden", "64", "--intermediate", "128",
+                  "--vocab", "256"], cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| save")
+            or line.startswith("| export") or line.startswith("| resume")]
+    assert sorted((call.strip(), rank.strip()) for call, rank, *_ in rows) == \
+        [(call, rank) for call in ("export", "resume", "save") for rank in ("0", "1")]
+    assert "DCP shards" in result.stdout

@@ -122,9 +122,9 @@ def test_a_saved_dataset_trains_end_to_end(tmp_path):
                           "test": datasets.Dataset.from_list(GSM8K_LIKE[60:68])}).save_to_disk(str(saved))
     result = run(["grpo.py", "--dataset", str(saved), "--eval-split", "test", "--prompt-field", "question",
                   "--num-steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "2",
-                  "--output-dir", str(tmp_path), "--run-name", "gsm"], cwd=tmp_path)
+                  "--output-dir", str(tmp_path / "runs"), "--run-name", "gsm"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert [m["step"] for m in read_metrics(tmp_path / "gsm")] == [0, 1, 2]
+    assert [m["step"] for m in read_metrics(tmp_path / "runs" / "gsm")] == [0, 1, 2]
 
 
 # --- prompts that do not fit ------------------------------------------------------------------------

@@ -52,7 +52,7 @@ def test_shared_lines_are_identical_to_grpo(algo):
 
 def test_the_check_catches_a_changed_shared_line():
     base = (ROOT / "grpo.py").read_text().splitlines(keepends=True)
-    changed = [line.replace("save_checkpoint(policy", "save_checkpoint(model") for line in base]  # step 7
+    changed = [line.replace("trained, tokenizer, rank", "policy, tokenizer, rank") for line in base]  # step 7
     assert len(changes_outside_regions(base, changed)) == 2  # the periodic and the final save
     at = base.index("import time\n") + 1
     inserted = base[:at] + ["import os\n"] + base[at:]  # among the shared imports

@@ -250,9 +250,3 @@ def test_a_critic_that_does_not_share_the_tokenizer_is_rejected(tmp_path):
     with pytest.raises(SystemExit, match="--critic-model .*its tokenizer differs from --model's"):
         ppo.main(ppo.Args(num_steps=1, critic_model=str(folder), output_dir=str(tmp_path), run_name="bad"))
     assert not (tmp_path / "bad").exists()
-
-
-def test_fsdp_with_resumable_checkpoints_is_refused(tmp_path):
-    with pytest.raises(SystemExit, match="--fsdp runs save only the final weights for now"):
-        ppo.main(ppo.Args(num_steps=1, fsdp=True, save_every=1, output_dir=str(tmp_path), run_name="bad"))
-    assert not (tmp_path / "bad").exists()

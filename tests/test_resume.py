@@ -1,9 +1,12 @@
-"""Resume after a crash, for every algorithm file: a run killed with SIGKILL mid-training and resumed
-with --resume latest ends with the same weights and metrics, bitwise, as the run that was never
-stopped; a half-written checkpoint is never picked up; a bad --resume stops at start-up."""
+"""Resume after a crash, for every algorithm file: a run killed with SIGKILL in the middle of a save and
+resumed with --resume latest ends with the same weights and metrics, bitwise, as the run that was never
+stopped; a half-written checkpoint is never picked up; a bad --resume stops at start-up. And the run
+folder: claimed by one run at a time, never deleted from, following the live branch of a resumed run."""
 
+import errno
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -13,12 +16,29 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import common
 import grpo
 from conftest import ALGORITHMS, ROOT, read_metrics, run
 
 # Each file's own resumable state is exercised: DAPO's draw counter, GVPO's replayed groups, PPO's
 # critic and adaptive beta.
 EXTRA = {"gvpo": ["--reuse-steps", "1"], "ppo": ["--target-kl", "0.01"]}
+
+# Loaded before the run's own imports (Python imports `sitecustomize` at start-up): the second write of
+# a safetensors file, the step-4 checkpoint's exported weights, announces itself and then hangs, so the
+# test can SIGKILL the run in the middle of that save.
+HANG_IN_SECOND_SAVE = """
+import os, pathlib, time
+import safetensors.torch
+real, calls = safetensors.torch.save_file, []
+def save_file(*args, **kwargs):
+    real(*args, **kwargs)
+    calls.append(1)
+    if len(calls) == 2:
+        pathlib.Path(os.environ["SAVE_STARTED"]).touch()
+        time.sleep(600)
+safetensors.torch.save_file = save_file
+"""
 
 
 def args_for(algo: str, tmp_path, name: str) -> list[str]:
@@ -31,24 +51,31 @@ def without_timings(metrics: list[dict]) -> list[dict]:
     return [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in metrics]
 
 
+def small_run(tmp_path, name: str, **overrides) -> grpo.Args:
+    settings = dict(num_steps=6, prompts_per_step=4, group_size=4, eval_every=0, save_every=2,
+                    output_dir=str(tmp_path), run_name=name)
+    return grpo.Args(**{**settings, **overrides})
+
+
 @pytest.mark.parametrize("algo", ALGORITHMS)
 def test_killed_and_resumed_run_matches_the_uninterrupted_run(tmp_path, algo):
     result = run(args_for(algo, tmp_path, "whole"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
 
-    # The same run, killed with SIGKILL once it has logged step 3 (a checkpoint exists, training is under way).
-    args = args_for(algo, tmp_path, "killed")
+    # The same run, killed with SIGKILL while it writes its step-4 checkpoint.
+    args, hook = args_for(algo, tmp_path, "killed"), tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HANG_IN_SECOND_SAVE)
+    started = tmp_path / "save-started"
     proc = subprocess.Popen([sys.executable, str(ROOT / args[0]), *args[1:]], cwd=tmp_path,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    metrics_file, deadline = tmp_path / "killed" / "metrics.jsonl", time.time() + 300
-    while proc.poll() is None and time.time() < deadline:
-        if metrics_file.exists() and any(json.loads(line)["step"] >= 3 for line in metrics_file.read_text().split("\n")
-                                         if line.endswith("}")):
-            proc.send_signal(signal.SIGKILL)
-            break
+                            env={**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}", "SAVE_STARTED": str(started)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while proc.poll() is None and not started.exists() and time.time() < deadline:
         time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL, "the run ended before it could be killed"
+    assert (tmp_path / "killed" / "step_4.tmp").is_dir() and not (tmp_path / "killed" / "step_4").exists()
     assert not (tmp_path / "killed" / "final").exists()
     # A crash in the middle of a save leaves only a .tmp folder: it must never be resumed from.
     (tmp_path / "killed" / "step_8.tmp").mkdir()
@@ -94,15 +121,15 @@ def test_a_new_run_never_appends_to_another_runs_folder(tmp_path):
     assert (tmp_path / "same" / "metrics.jsonl").read_text() == metrics
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_two_rank_run_resumed_from_a_checkpoint_matches(tmp_path, mode):
-    """On 2 ranks each rank restores its own RNG state (its own sampling stream), and under FSDP its
-    shards of the gathered weights and optimizer state: a copy of a finished run, cut back to its
-    step-4 checkpoint and resumed, ends where the original ended, bitwise."""
+@pytest.mark.parametrize("algo, mode", [("grpo", "ddp"), ("grpo", "fsdp"), ("ppo", "fsdp")])
+def test_two_rank_run_resumed_from_a_checkpoint_matches(tmp_path, algo, mode):
+    """On 2 ranks each rank restores its own RNG state (its own sampling stream), and under FSDP only
+    its own shards of the weights and optimizer state (PPO: of the policy and the critic): a copy of a
+    finished run, cut back to its step-4 checkpoint and resumed, ends where the original ended, bitwise."""
     import shutil
 
-    args = ["grpo.py", "--num-steps", "6", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "3",
-            "--eval-size", "16", "--save-every", "2", "--output-dir", str(tmp_path)]
+    args = [f"{algo}.py", "--num-steps", "6", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "3",
+            "--eval-size", "16", "--save-every", "2", "--output-dir", str(tmp_path), *EXTRA.get(algo, [])]
     args += ["--fsdp"] if mode == "fsdp" else []
     assert run([*args, "--run-name", "whole"], cwd=tmp_path, torchrun=2).returncode == 0
     shutil.copytree(tmp_path / "whole", tmp_path / "cut")
@@ -115,3 +142,157 @@ def test_two_rank_run_resumed_from_a_checkpoint_matches(tmp_path, mode):
         load_file(tmp_path / "cut" / "final" / "model.safetensors")
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
     assert without_timings(read_metrics(tmp_path / "cut")) == without_timings(read_metrics(tmp_path / "whole"))
+    if mode == "fsdp":  # each rank wrote its own shards
+        assert {p.name for p in (tmp_path / "cut" / "step_4" / "training_state").glob("*.distcp")} == \
+            {"__0_0.distcp", "__1_0.distcp"}
+
+
+class Payload:
+    """Unpickling this runs a shell command that leaves a file behind: the proof that code ran."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("planted", ["rank_0.pt", "training_state/.metadata"])
+def test_a_planted_pickle_in_a_checkpoint_is_refused_without_running(tmp_path, planted):
+    grpo.main(small_run(tmp_path, "victim", num_steps=2))
+    marker = tmp_path / "code-ran"
+    target = tmp_path / "victim" / "step_2" / planted
+    target.parent.mkdir(exist_ok=True)
+    target.write_bytes(pickle.dumps(Payload(marker), protocol=2))  # torch.save's protocol
+    refused = r"--resume .*step_2: cannot restore it: it holds pickled data other than tensors and plain data "
+    with pytest.raises(SystemExit, match=refused + r"\(posix.system\). Refused without running it"):
+        grpo.main(small_run(tmp_path, "victim", num_steps=4, resume="latest"))
+    assert not marker.exists()
+
+
+def test_two_runs_started_together_with_one_name(tmp_path):
+    """Both start at once: one claims the folder and runs, the other stops at start-up; one run's metrics."""
+    args = ["grpo.py", "--num-steps", "3", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0",
+            "--output-dir", str(tmp_path), "--run-name", "same"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, str(ROOT / args[0]), *args[1:]], cwd=tmp_path, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [(proc.wait(timeout=300), proc.stderr.read()) for proc in procs]
+    assert sorted(code for code, _ in results) == [0, 1], results
+    loser = next(err for code, err in results if code)
+    assert "in use by another run" in loser or "already holds a run" in loser, loser
+    assert [m["step"] for m in read_metrics(tmp_path / "same")] == [0, 1, 2]
+
+
+def test_resuming_an_earlier_checkpoint_sets_the_abandoned_branch_aside(tmp_path):
+    """Branch off step_2 of a 6-step run: step_4, step_6, final/ and the metrics from step 2 on are moved
+    aside, not deleted; --resume latest then takes the live branch's checkpoint, and metrics.jsonl reads
+    as one run."""
+    grpo.main(small_run(tmp_path, "run"))
+    before = read_metrics(tmp_path / "run")
+    grpo.main(small_run(tmp_path, "run", num_steps=3, resume=str(tmp_path / "run" / "step_2")))
+    aside = tmp_path / "run" / "abandoned_after_step_2"
+    assert {p.name for p in aside.iterdir()} == {"step_4", "step_6", "final", "metrics.jsonl"}
+    assert [json.loads(line) for line in (aside / "metrics.jsonl").read_text().splitlines()] == before[2:]
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [0, 1, 2]
+    assert common.latest_checkpoint(tmp_path / "run") == tmp_path / "run" / "step_2"
+
+
+def test_resume_never_deletes_what_it_did_not_write(tmp_path):
+    """A checkpoint copied out of its run, next to the user's own files: the resumed run writes into a
+    new run folder under --output-dir, and the user's files stay as they were."""
+    import shutil
+
+    grpo.main(small_run(tmp_path / "runs", "run", num_steps=2))
+    models = tmp_path / "models"
+    shutil.copytree(tmp_path / "runs" / "run" / "step_2", models / "step_2")
+    (models / "final").mkdir()
+    (models / "final" / "keep.bin").write_bytes(b"mine")
+    (models / "config.json").write_text("{}")
+    grpo.main(small_run(tmp_path / "runs", None, num_steps=4, resume=str(models / "step_2")))
+    assert (models / "final" / "keep.bin").read_bytes() == b"mine"
+    assert (models / "config.json").read_text() == "{}"
+    assert sorted(p.name for p in models.iterdir()) == ["config.json", "final", "step_2"]
+    new = [p for p in (tmp_path / "runs").iterdir() if p.name != "run"]
+    assert len(new) == 1 and (new[0] / "final").is_dir(), new
+    assert [m["step"] for m in read_metrics(new[0])] == [2, 3]  # models/ holds no metrics of steps 0 and 1
+
+
+def test_a_checkpoint_of_another_algorithm_or_model_is_refused(tmp_path, capsys):
+    import shutil
+
+    import dapo
+
+    dapo.main(dapo.Args(num_steps=2, prompts_per_step=4, group_size=4, eval_every=0, save_every=2,
+                        output_dir=str(tmp_path), run_name="d"))
+    with pytest.raises(SystemExit, match="written by dapo.py, resumed by grpo.py. Resume it with dapo.py"):
+        grpo.main(small_run(tmp_path, "g", num_steps=4, resume=str(tmp_path / "d" / "step_2")))
+
+    grpo.main(small_run(tmp_path, "g", num_steps=2))
+    same_shape = tmp_path / "other_model"
+    shutil.copytree(common.DEFAULT_MODEL, same_shape)
+    with pytest.raises(SystemExit, match=f"trained from --model {common.DEFAULT_MODEL}, resumed with --model "
+                                         f"{same_shape}. Resume with --model {common.DEFAULT_MODEL}"):
+        grpo.main(small_run(tmp_path, "g", num_steps=4, resume="latest", model=str(same_shape)))
+    assert not (tmp_path / "g" / "abandoned_after_step_2").exists()  # refused before anything moved
+
+    capsys.readouterr()
+    grpo.main(small_run(tmp_path, "g", num_steps=3, resume="latest", learning_rate=1e-4))
+    assert "flags changed since the checkpoint: --num-steps 2 -> 3, --learning-rate 0.0002 -> 0.0001" \
+        in capsys.readouterr().out
+
+
+FAIL_AFTER_THE_PROBE = """
+calls = []
+def reward(prompts, completions, answers):
+    calls.append(1)
+    if len(calls) > 1:  # the start-up check of the function passes; the first rollout fails
+        raise RuntimeError("the reward server is down")
+    return [0.0] * len(completions)
+"""
+
+
+def test_a_start_that_fails_before_step_0_does_not_block_a_rerun(tmp_path):
+    (tmp_path / "flaky.py").write_text(FAIL_AFTER_THE_PROBE)
+    args = ["grpo.py", "--num-steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0",
+            "--output-dir", str(tmp_path / "runs"), "--run-name", "again"]
+    failed = run([*args, "--reward-fn", f"{tmp_path / 'flaky.py'}:reward"], cwd=tmp_path)
+    assert failed.returncode != 0 and "the reward server is down" in failed.stderr
+    result = run(args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert [m["step"] for m in read_metrics(tmp_path / "runs" / "again")] == [0, 1]
+
+
+def fail_second_weights_write(monkeypatch):
+    """The second save_pretrained (the step-4 checkpoint) writes half its file and then finds the disk full."""
+    import transformers.modeling_utils
+
+    real, calls = transformers.modeling_utils.safe_save_file, []
+
+    def safe_save_file(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 2:
+            with open(filename, "wb") as file:
+                file.write(b"\0" * 1000)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+        return real(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", safe_save_file)
+
+
+def test_a_failed_write_names_the_path_and_leaves_the_previous_checkpoint_resumable(tmp_path, monkeypatch):
+    fail_second_weights_write(monkeypatch)
+    with pytest.raises(SystemExit, match=r"could not write the checkpoint .*step_4 \(No space left on device: "
+                                         r".*step_4.tmp/model.safetensors\). Removed step_4.tmp; the last "
+                                         r"complete checkpoint is .*step_2 is untouched"):
+        grpo.main(small_run(tmp_path, "full"))
+    assert sorted(p.name for p in (tmp_path / "full").glob("step_*")) == ["step_2"]
+    monkeypatch.undo()
+    grpo.main(small_run(tmp_path, "full", resume="latest"))
+    assert (tmp_path / "full" / "final").is_dir()
+    assert [m["step"] for m in read_metrics(tmp_path / "full")] == list(range(6))
+
+
+def test_keep_checkpoints_prunes_the_older_ones(tmp_path):
+    grpo.main(small_run(tmp_path, "kept", keep_checkpoints=2))
+    assert sorted(p.name for p in (tmp_path / "kept").glob("step_*")) == ["step_4", "step_6"]

@@ -242,9 +242,10 @@ def test_another_architecture_without_pad_token_or_chat_template(tmp_path, fixed
     assert tokenizer.pad_token is None and not tokenizer.chat_template
 
     result = run(["grpo.py", "--model", str(folder), "--dataset", str(fixed_length_dataset), "--eval-size", "8",
-                  "--eval-every", "1", *FAST[:6], "--output-dir", str(tmp_path), "--run-name", "llama"], cwd=tmp_path)
+                  "--eval-every", "1", *FAST[:6], "--output-dir", str(tmp_path / "runs"), "--run-name", "llama"],
+                 cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    metrics = read_metrics(tmp_path / "llama")
+    metrics = read_metrics(tmp_path / "runs" / "llama")
     assert metrics[-1]["step"] == 2 and "eval/accuracy" in metrics[-1]
-    final = load_file(tmp_path / "llama" / "final" / "model.safetensors")
+    final = load_file(tmp_path / "runs" / "llama" / "final" / "model.safetensors")
     assert final["model.embed_tokens.weight"].shape[0] == len(vocab) + 1  # the added pad token
