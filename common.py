@@ -1274,12 +1274,14 @@ def save_checkpoint(path: Path, modules: dict[str, torch.nn.Module], tokenizer, 
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     policy, distributed = modules["policy"], dist.is_initialized()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a .tmp folder is always this project's, left by a crash
-        tmp.mkdir(parents=True)
-    if distributed:
-        dist.barrier()  # the folder exists before any rank writes into it
     error = None
+    if rank == 0:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)  # a .tmp folder is always this project's, left by a crash
+            tmp.mkdir(parents=True)
+        except OSError as exc:
+            error = exc
+    _stop_if_any_failed(error, path, tmp, rank)  # the folder exists before any rank writes into it
     try:
         if optimizer is not None:
             with warnings.catch_warnings():
@@ -1305,31 +1307,39 @@ def save_checkpoint(path: Path, modules: dict[str, torch.nn.Module], tokenizer, 
         except Exception as exc:
             error = exc
     del weights
-    errors = [error]
-    if distributed:
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, None if error is None else _write_error(error))
-    errors = [e if isinstance(e, str) or e is None else _write_error(e) for e in errors]
-    failed = [(r, e) for r, e in enumerate(errors) if e]
-    if failed:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        where = "; ".join(f"rank {r}: {e}" for r, e in failed) if distributed else failed[0][1]
-        previous = latest_checkpoint(path.parent)
-        raise fail(f"could not write the checkpoint {path} ({where}). Removed {tmp.name}; "
-                   f"{f'the last complete checkpoint is {previous}' if previous else 'no earlier checkpoint'}"
-                   " is untouched.")
-    if rank != 0:
-        return
-    if path.exists():
-        _move_aside(path)
-    tmp.rename(path)
-    _fsync(path.parent)
-    if keep > 0:
+    _stop_if_any_failed(error, path, tmp, rank)  # every rank has written its part
+    if rank == 0:
+        try:
+            if path.exists():
+                _move_aside(path)
+            tmp.rename(path)
+            _fsync(path.parent)
+        except OSError as exc:
+            error = exc
+    _stop_if_any_failed(error, path, tmp, rank)
+    if rank == 0 and keep > 0:
         steps = sorted((p for p in path.parent.glob("step_*") if re.fullmatch(r"step_\d+", p.name)
                         and _checkpoint_info(p)), key=lambda p: int(p.name[5:]))
         for old in steps[:-keep]:
             shutil.rmtree(old)
+
+
+def _stop_if_any_failed(error: BaseException | None, path: Path, tmp: Path, rank: int) -> None:
+    """Collective: when a rank's write failed, every rank stops with the path and each failed rank's
+    cause, and rank 0 removes the partial .tmp folder; earlier checkpoints are left as they are."""
+    errors = [None if error is None else _write_error(error)]
+    if dist.is_initialized():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, None if error is None else _write_error(error))
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if not failed:
+        return
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    where = "; ".join(f"rank {r}: {e}" for r, e in failed) if dist.is_initialized() else failed[0][1]
+    previous = latest_checkpoint(path.parent) if path.parent.exists() else None
+    kept = f"the last complete checkpoint, {previous}, is untouched" if previous else "there is no earlier checkpoint"
+    raise fail(f"could not write the checkpoint {path} ({where}). Removed {tmp.name}; {kept}.")
 
 
 def _write_error(error: Exception) -> str:

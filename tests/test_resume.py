@@ -284,13 +284,42 @@ def test_a_failed_write_names_the_path_and_leaves_the_previous_checkpoint_resuma
     fail_second_weights_write(monkeypatch)
     with pytest.raises(SystemExit, match=r"could not write the checkpoint .*step_4 \(No space left on device: "
                                          r".*step_4.tmp/model.safetensors\). Removed step_4.tmp; the last "
-                                         r"complete checkpoint is .*step_2 is untouched"):
+                                         r"complete checkpoint, .*step_2, is untouched"):
         grpo.main(small_run(tmp_path, "full"))
     assert sorted(p.name for p in (tmp_path / "full").glob("step_*")) == ["step_2"]
     monkeypatch.undo()
     grpo.main(small_run(tmp_path, "full", resume="latest"))
     assert (tmp_path / "full" / "final").is_dir()
     assert [m["step"] for m in read_metrics(tmp_path / "full")] == list(range(6))
+
+
+# Rank 1 finds the disk full when it writes its own state into the step-4 checkpoint.
+RANK_1_DISK_FULL = """
+import errno, os, torch
+real, calls = torch.save, []
+def save(obj, f, *args, **kwargs):
+    if os.environ.get("RANK") == "1" and str(f).endswith("rank_1.pt"):
+        calls.append(f)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
+    return real(obj, f, *args, **kwargs)
+torch.save = save
+"""
+
+
+def test_a_write_error_on_one_rank_stops_every_rank(tmp_path):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(RANK_1_DISK_FULL)
+    args = ["grpo.py", "--num-steps", "6", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0",
+            "--save-every", "2", "--fsdp", "--output-dir", str(tmp_path), "--run-name", "full"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    result = subprocess.run([*launcher, str(ROOT / args[0]), *args[1:]], cwd=tmp_path, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}"}, timeout=300)
+    assert result.returncode != 0
+    assert "step_4 (rank 1: No space left on device: " in result.stderr and "Removed step_4.tmp" in result.stderr
+    assert sorted(p.name for p in (tmp_path / "full").glob("step_*")) == ["step_2"]
+    assert common.latest_checkpoint(tmp_path / "full") == tmp_path / "full" / "step_2"
 
 
 def test_keep_checkpoints_prunes_the_older_ones(tmp_path):
