@@ -7,6 +7,7 @@ algorithm file can be rewired to it.
 """
 
 import contextlib
+import datetime
 import fcntl
 import functools
 import importlib
@@ -19,6 +20,7 @@ import random
 import re
 import resource
 import select
+import shlex
 import shutil
 import subprocess
 import sys
@@ -32,6 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import transformers
+from safetensors import SafetensorError
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import (
@@ -62,6 +65,51 @@ def fail(message: str) -> SystemExit:
     return SystemExit(f"error: {message}")
 
 
+# (flag, valid, what it must be, why): the flags every algorithm file shares, checked by `check_flags`.
+FLAG_RULES = [
+    ("num_steps", lambda v: v >= 1, ">= 1", "0 would save the untrained model as final/"),
+    ("prompts_per_step", lambda v: v >= 1, ">= 1", ""),
+    ("max_new_tokens", lambda v: v >= 1, ">= 1", "each completion has at least its EOS token"),
+    ("temperature", lambda v: 0 < v < math.inf, "> 0", "the log-probs divide the logits by it; for sharper "
+     "sampling try 0.5, and eval/accuracy_greedy reports greedy decoding"),
+    ("learning_rate", lambda v: 0 < v < math.inf, "> 0", ""),
+    ("updates_per_rollout", lambda v: v >= 1, ">= 1", ""),
+    ("num_minibatches", lambda v: v >= 1, ">= 1", ""),
+    ("micro_batch_size", lambda v: v is None or v >= 1, ">= 1", "or left out: the whole minibatch"),
+    ("max_grad_norm", lambda v: 0 < v <= math.inf, "> 0", "inf: no clipping"),
+    ("weight_decay", lambda v: 0 <= v < math.inf, ">= 0", ""),
+    ("eval_every", lambda v: v >= 0, ">= 0", "0: never evaluate"),
+    ("save_every", lambda v: v >= 0, ">= 0", "0: only the final weights"),
+    ("keep_checkpoints", lambda v: v >= 0, ">= 0", "0: keep all"),
+    ("eval_size", lambda v: v >= 0, ">= 0", ""),
+    ("max_prompt_length", lambda v: v is None or v >= 1, ">= 1", "or left out: as long as the model allows"),
+    ("format_weight", lambda v: math.isfinite(v), "finite", ""),
+    ("dist_timeout", lambda v: 0 < v < math.inf, "> 0", "minutes"),
+]
+
+
+def check_flags(args) -> None:
+    """The shared flags, before anything is loaded or written: one line naming the flag, the value and
+    what it must be. Each algorithm file checks its own flags after this."""
+    for name, valid, must, why in FLAG_RULES:
+        value = getattr(args, name)
+        if not valid(value):
+            raise fail(f"--{name.replace('_', '-')} {value}: must be {must}{f' ({why})' if why else ''}.")
+    if args.eval_every and args.eval_size == 0 and args.eval_dataset is None and args.eval_split is None:
+        raise fail(f"--eval-size 0 leaves nothing to evaluate every --eval-every {args.eval_every} steps: pass "
+                   "--eval-every 0, a positive --eval-size, or --eval-dataset.")
+    if args.run_name is not None and (args.run_name in ("", ".", "..") or re.search(r"[/\\]", args.run_name)):
+        raise fail(f"--run-name {args.run_name!r}: must be a folder name under --output-dir, without '/' "
+                   "(pass --output-dir for another place).")
+    output = Path(args.output_dir).expanduser()
+    existing = next(p for p in (output, *output.parents) if p.exists())
+    if not existing.is_dir():
+        raise fail(f"--output-dir {args.output_dir}: {existing} is a file, not a folder. Pass a folder.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise fail(f"--output-dir {args.output_dir}: {existing} is not writable by this user. Pass a folder you "
+                   "can write to.")
+
+
 def exact_div(numerator: int, denominator: int, message: str) -> int:
     """`numerator // denominator`, failing at start-up with `message` when it does not divide."""
     if denominator <= 0 or numerator % denominator != 0:
@@ -74,8 +122,10 @@ def exact_div(numerator: int, denominator: int, message: str) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def setup_distributed() -> tuple[int, int, torch.device]:
-    """(rank, world_size, device) from torchrun's environment; a plain `python x.py` is rank 0 of 1."""
+def setup_distributed(timeout_minutes: float = 60) -> tuple[int, int, torch.device]:
+    """(rank, world_size, device) from torchrun's environment; a plain `python x.py` is rank 0 of 1.
+    A collective that waits longer than `timeout_minutes` for another rank (one that died, or one still
+    generating or scoring) fails; the message then names --dist-timeout."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
@@ -84,11 +134,23 @@ def setup_distributed() -> tuple[int, int, torch.device]:
     else:
         device = torch.device("cpu")
     if world_size > 1:
+        timeout = datetime.timedelta(minutes=timeout_minutes)
         if device.type == "cuda":
-            dist.init_process_group("nccl", device_id=device)
+            dist.init_process_group("nccl", device_id=device, timeout=timeout)
         else:
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", timeout=timeout)
+        sys.excepthook = functools.partial(_explain_timeout, sys.excepthook, timeout_minutes)
     return rank, world_size, device
+
+
+def _explain_timeout(excepthook, minutes: float, kind, value, traceback) -> None:
+    """After the traceback of a collective that timed out, one line that says what happened and what to do."""
+    excepthook(kind, value, traceback)
+    if isinstance(value, RuntimeError) and re.search(r"timed out|timeout", str(value), re.IGNORECASE):
+        print(f"error: rank {os.environ.get('RANK', 0)} waited more than --dist-timeout {minutes:g} minutes for "
+              "another rank (one that died or hung, or one still generating or scoring). If a step can take that "
+              "long, raise --dist-timeout; else look at the other ranks' output. Go on with --resume latest.",
+              file=sys.stderr, flush=True)
 
 
 def cleanup_distributed() -> None:
@@ -145,8 +207,9 @@ def all_reduce_mean(metrics: dict[str, float], device: torch.device) -> dict[str
 
 
 class Logger:
-    """One line per step on stdout, every metric as JSON lines in `<run_dir>/metrics.jsonl`,
-    TensorBoard when installed, Weights & Biases with `--track`. A no-op on ranks other than 0."""
+    """One line per step on stdout, every metric as JSON lines in `<run_dir>/metrics.jsonl` (a NaN or
+    infinite value is written as null, so that every line is valid JSON), TensorBoard when installed,
+    Weights & Biases with `--track`. A no-op on ranks other than 0."""
 
     SHOWN = ("reward/mean", "eval/accuracy", "eval/accuracy_greedy", "loss/policy", "policy/clipfrac", "perf/step_s")
 
@@ -173,7 +236,8 @@ class Logger:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in metrics.items()}
+        self.file.write(json.dumps({"step": step, **finite}, allow_nan=False) + "\n")  # NaN/inf: null
         self.file.flush()
         shown = " | ".join(f"{k} {metrics[k]:.4g}" for k in self.SHOWN if k in metrics)
         print(f"step {step:>4} | {shown}", flush=True)
@@ -221,9 +285,20 @@ def peak_rss_bytes() -> int:
 
 
 def check_model_name(name: str, flag: str = "--model") -> None:
-    """Fail at once on a local-looking path that does not exist, rather than asking the Hub for it."""
-    if not Path(name).expanduser().exists() and (name.startswith((".", "/", "~")) or name.count("/") > 1):
+    """Fail at once on a local-looking path that does not exist, rather than asking the Hub for it, and on
+    a local folder whose config.json is not a JSON object."""
+    path = Path(name).expanduser()
+    if not path.exists() and (name.startswith((".", "/", "~")) or name.count("/") > 1):
         raise fail(f"{flag} {name!r}: no such folder. Pass an existing folder or a Hugging Face model name.")
+    if (path / "config.json").is_file():
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            config = e
+        if not isinstance(config, dict):
+            what = f"not valid JSON ({config})" if isinstance(config, Exception) else f"a JSON {type(config).__name__}"
+            raise fail(f"{flag} {name!r}: its config.json is {what}, not a JSON object. Restore the model's "
+                       "config.json (copy it again from where the model came from).")
 
 
 def load_tokenizer(name: str, flag: str = "--model"):
@@ -258,7 +333,17 @@ def load_model(name: str, dtype: str, device: torch.device, tokenizer, auto_clas
     try:
         config = AutoConfig.from_pretrained(name)
         _zero_dropout(config)
-        model = auto_class.from_pretrained(name, config=config, dtype=getattr(torch, dtype))
+        backbone = auto_class is not AutoModelForCausalLM  # e.g. a critic: a causal LM's head is left unused
+        with _transformers_quiet(backbone):
+            model, info = auto_class.from_pretrained(name, config=config, dtype=getattr(torch, dtype),
+                                                     output_loading_info=True)
+        missing = info["missing_keys"] or info["mismatched_keys"]
+        if backbone and missing:  # the report that was silenced, when it says something worth saying
+            print0(f"warning: {flag} {name!r}: weights not in the checkpoint, left as initialised: "
+                   f"{sorted(map(str, missing))[:5]}")
+    except SafetensorError as e:
+        raise fail(f"{flag} {name!r}: cannot read its weights ({e}). A file is damaged or incomplete (an "
+                   "interrupted download or copy?): copy the model again.") from None
     except (OSError, ValueError) as e:
         raise fail(f"{flag} {name!r}: cannot load it ({str(e).splitlines()[0]}). "
                    "Pass a local folder or a Hugging Face model name reachable from this machine.") from None
@@ -274,6 +359,19 @@ def load_model(name: str, dtype: str, device: torch.device, tokenizer, auto_clas
     if model.get_output_embeddings() is not None:
         check_output_logits(model, name, flag)
     return model
+
+
+@contextlib.contextmanager
+def _transformers_quiet(quiet: bool):
+    """transformers' warnings off while loading a backbone from a causal LM checkpoint, whose load report
+    lists the unused LM head (`lm_head.weight | UNEXPECTED`) as if something were wrong."""
+    level = transformers.utils.logging.get_verbosity()
+    if quiet:
+        transformers.utils.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers.utils.logging.set_verbosity(level)
 
 
 def _zero_dropout(config) -> None:
@@ -420,7 +518,11 @@ def load_data(dataset: str | None, eval_dataset: str | None, eval_size: int, dat
     `load_rows` of `--dataset` (eval: `--eval-dataset`, at `--eval-split` or its 'test' split; else
     `--eval-split` of `--dataset`; else the last `eval_size` rows of `--dataset`)."""
     if dataset is None:
-        return builtin_splits(eval_size=eval_size)
+        train, held_out = builtin_splits(eval_size=eval_size)
+        if not train:
+            raise fail(f"--eval-size {eval_size}: the built-in task has {len(held_out)} prompts, so none would be "
+                       "left to train on. Hold out fewer (the default is 500).")
+        return train, held_out
     fields = dict(prompt_field=prompt_field, answer_field=answer_field)
     train = load_rows(dataset, "--dataset", dataset_config, split, **fields)
     if eval_dataset is not None:
@@ -430,7 +532,7 @@ def load_data(dataset: str | None, eval_dataset: str | None, eval_size: int, dat
     if len(train) <= eval_size:
         raise fail(f"--dataset {dataset!r} has {len(train)} rows, too few to hold out --eval-size {eval_size}. "
                    "Pass --eval-dataset or --eval-split, or a smaller --eval-size.")
-    return train[:-eval_size], train[-eval_size:]
+    return train[:len(train) - eval_size], train[len(train) - eval_size:]  # eval_size 0: all rows train
 
 
 def model_positions(name: str, flag: str = "--model") -> int | None:
@@ -466,6 +568,9 @@ def fit_prompts(train: list[dict], held_out: list[dict], tokenizer, chat_templat
                f"{max_new_tokens} of them for the completion)")
     fitted = []
     for examples, what in ((train, "training data"), (held_out, "held-out data")):
+        if not examples:  # no held-out data (--eval-size 0)
+            fitted.append([])
+            continue
         texts = [format_prompt(tokenizer, e["prompt"], chat_template) for e in examples]
         try:
             prompts = tokenizer(texts, add_special_tokens=False).input_ids
@@ -478,7 +583,21 @@ def fit_prompts(train: list[dict], held_out: list[dict], tokenizer, chat_templat
         if len(kept) < len(examples):
             print0(f"{what}: dropped {len(examples) - len(kept)} of {len(examples)} prompts {why}")
         fitted.append(kept)
+    check_round_trip(tokenizer, train[:64])
     return fitted[0], fitted[1]
+
+
+def check_round_trip(tokenizer, examples: list[dict]) -> None:
+    """Warn when prompts do not come back from encode + decode as they were: the model would be trained
+    on other text than the data's (e.g. a tokenizer class that drops spaces, or an unknown-token fallback)."""
+    for example in examples:
+        text = example["prompt"]
+        back = tokenizer.decode(tokenizer(text, add_special_tokens=False).input_ids)
+        if back != text:
+            print0(f"warning: the tokenizer of --model ({type(tokenizer).__name__}) does not give the prompts back "
+                   f"as they were: {text[:60]!r} comes back as {back[:60]!r}. The model is trained on what it "
+                   "encodes; check that the folder's tokenizer files are the model's own.")
+            return
 
 
 def _unencodable(tokenizer, examples: list[dict], what: str, error: Exception) -> str:
@@ -1062,6 +1181,34 @@ def claim_run_dir(run_dir: Path, checkpoint: Path | None, rank: int) -> None:
     live run; branching into another folder, that folder starts with the checkpoint's run's earlier
     metrics. Nothing is deleted."""
     _decided_on_rank_0(_claim_run_dir, rank, run_dir, checkpoint)
+    sys.excepthook = functools.partial(_explain_interrupt, sys.excepthook, run_dir, rank)
+
+
+def _explain_interrupt(excepthook, run_dir: Path, rank: int, kind, value, traceback) -> None:
+    """Ctrl-C: instead of a traceback (of every rank), one line from rank 0 on how to go on."""
+    if not issubclass(kind, KeyboardInterrupt):
+        return excepthook(kind, value, traceback)
+    if rank == 0:
+        print(f"\nstopped (Ctrl-C). {resume_hint(run_dir)}", file=sys.stderr, flush=True)
+
+
+def resume_hint(run_dir: Path) -> str:
+    """Where the run can go on from, and the command that does it (this process's own flags)."""
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        return f"No checkpoint was written (see --save-every): the run cannot be resumed. Its metrics are in {run_dir}."
+    argv, kept = sys.argv[1:], []
+    replaced = ("--resume", "--run-name", "--output-dir", "--run_name", "--output_dir")
+    for i, arg in enumerate(argv):
+        if arg in replaced or arg.startswith(tuple(f"{flag}=" for flag in replaced)) or \
+                (i > 0 and argv[i - 1] in replaced):
+            continue
+        kept.append(arg)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    launcher = ["python"] if world_size == 1 else ["torchrun", f"--nproc_per_node={world_size}"]
+    command = shlex.join([*launcher, sys.argv[0], *kept, "--output-dir", str(run_dir.parent), "--run-name",
+                          run_dir.name, "--resume", "latest"])
+    return f"Last checkpoint: {checkpoint}. Go on from it with: {command}"
 
 
 def _decided_on_rank_0(fn, rank: int, *args):

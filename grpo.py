@@ -38,6 +38,7 @@ from common import (
     Logger,
     all_reduce_mean,
     all_reduce_sum,
+    check_flags,
     claim_run_dir,
     cleanup_distributed,
     clip_grad_norm,
@@ -59,6 +60,7 @@ from common import (
     prepare_run_dir,
     print0,
     prompt_batch,
+    resume_hint,
     rollout_logprobs,
     sampler_logprob_gap,
     save_checkpoint,
@@ -149,6 +151,9 @@ class Args:
     """sequences per forward/backward on each rank, accumulated up to the minibatch (default: the whole minibatch)"""
     fsdp: bool = False
     """shard weights, gradients and optimizer state over the ranks (FSDP2; bf16 compute on GPU) instead of DDP"""
+    dist_timeout: float = 60.0
+    """minutes a rank waits for the others at a collective before the run stops (a step's generation and
+    scoring must fit in it)"""
     gradient_checkpointing: bool = False
     """recompute each layer's activations in the backward pass: less activation memory, ~1/3 more compute"""
     max_grad_norm: float = 1.0
@@ -234,7 +239,8 @@ def compute_loss(
 
 
 def main(args: Args) -> None:
-    rank, args.world_size, device = setup_distributed()
+    check_flags(args)  # the shared flags, before anything is loaded or written
+    rank, args.world_size, device = setup_distributed(args.dist_timeout)
     if args.group_size < 2:
         raise fail(f"--group-size {args.group_size}: group advantages need at least 2 completions per prompt.")
     if args.fsdp and args.world_size < 2:
@@ -278,10 +284,9 @@ def main(args: Args) -> None:
     torch.manual_seed(args.seed + rank)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     trained = {"policy": policy}  # what the optimizer updates: saved to and restored from checkpoints
-    start_step, last_checkpoint = 0, None
+    start_step = 0
     if resume_dir:  # weights, optimizer, RNG and step as saved: the run goes on as if it never stopped
         start_step, _ = load_checkpoint(resume_dir, trained, optimizer, rank)
-        last_checkpoint = resume_dir
     model = DDP(policy) if args.world_size > 1 and not args.fsdp else policy  # averages gradients over ranks
     claim_run_dir(run_dir, resume_dir, rank)  # from here on this run writes there; a run holding it stops here
     logger = Logger(run_dir, asdict(args), rank, args.track)
@@ -355,8 +360,8 @@ def main(args: Args) -> None:
                     grad_norm = clip_grad_norm(policy.parameters(), args.max_grad_norm)
                     if not torch.isfinite(grad_norm):  # same value on every rank: gradients are synced
                         raise fail(f"step {step}: non-finite gradient norm ({grad_norm.item()}); stopped before "
-                                   f"the optimizer step. Last checkpoint: {last_checkpoint or 'none'}. "
-                                   "Try a lower --learning-rate, or check --reward-fn.")
+                                   f"the optimizer step. Try a lower --learning-rate, or check --reward-fn. "
+                                   f"{resume_hint(run_dir)}")
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                     update_metrics.append({"policy/grad_norm": grad_norm.item()})
@@ -380,9 +385,8 @@ def main(args: Args) -> None:
         })
         logger.log(step, all_reduce_mean(metrics, device))
         if args.save_every and (step + 1) % args.save_every == 0:
-            last_checkpoint = run_dir / f"step_{step + 1}"
-            save_checkpoint(last_checkpoint, trained, tokenizer, rank, run_info, optimizer, step + 1, extra_state(),
-                            args.keep_checkpoints)
+            save_checkpoint(run_dir / f"step_{step + 1}", trained, tokenizer, rank, run_info, optimizer, step + 1,
+                            extra_state(), args.keep_checkpoints)
 
     if args.eval_every:
         logger.log(args.num_steps, evaluate(policy, tokenizer, eval_set, args.chat_template, exact,
