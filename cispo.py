@@ -72,6 +72,7 @@ from common import (
     prepare_run_dir,
     print0,
     prompt_batch,
+    require,
     resume_hint,
     rollout_logprobs,
     sampler_logprob_gap,
@@ -249,6 +250,10 @@ def main(args: Args) -> None:
     rank, args.world_size, device = setup_distributed(args.dist_timeout)
     if args.group_size < 2:
         raise fail(f"--group-size {args.group_size}: group advantages need at least 2 completions per prompt.")
+    require(args.is_eps_high > 0, "--is-eps-high", args.is_eps_high, "> 0")
+    require(args.is_eps_low is None or 0 <= args.is_eps_low <= 1, "--is-eps-low", args.is_eps_low,
+            "in [0, 1] (or left out: no floor)")
+    require(args.std_eps >= 0, "--std-eps", args.std_eps, ">= 0")
     if args.fsdp and args.world_size < 2:
         raise fail("--fsdp shards the model over ranks: launch with torchrun --nproc_per_node=2 or more.")
     args.local_prompts_per_step = exact_div(

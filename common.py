@@ -88,13 +88,18 @@ FLAG_RULES = [
 ]
 
 
+def require(valid: bool, flag: str, value, must: str) -> None:
+    """Stop at start-up unless `valid`: `require(args.beta >= 0, "--beta", args.beta, ">= 0")`."""
+    if not valid:
+        raise fail(f"{flag} {value}: must be {must}.")
+
+
 def check_flags(args) -> None:
     """The shared flags, before anything is loaded or written: one line naming the flag, the value and
-    what it must be. Each algorithm file checks its own flags after this."""
+    what it must be. Each algorithm file checks its own flags after this (`require`)."""
     for name, valid, must, why in FLAG_RULES:
         value = getattr(args, name)
-        if not valid(value):
-            raise fail(f"--{name.replace('_', '-')} {value}: must be {must}{f' ({why})' if why else ''}.")
+        require(valid(value), f"--{name.replace('_', '-')}", value, must + (f" ({why})" if why else ""))
     if args.eval_every and args.eval_size == 0 and args.eval_dataset is None and args.eval_split is None:
         raise fail(f"--eval-size 0 leaves nothing to evaluate every --eval-every {args.eval_every} steps: pass "
                    "--eval-every 0, a positive --eval-size, or --eval-dataset.")

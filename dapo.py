@@ -71,6 +71,7 @@ from common import (
     prepare_run_dir,
     print0,
     prompt_batch,
+    require,
     resume_hint,
     rollout_logprobs,
     sampler_logprob_gap,
@@ -267,6 +268,10 @@ def main(args: Args) -> None:
     rank, args.world_size, device = setup_distributed(args.dist_timeout)
     if args.group_size < 2:
         raise fail(f"--group-size {args.group_size}: group advantages need at least 2 completions per prompt.")
+    require(0 < args.clip_eps_low < 1, "--clip-eps-low", args.clip_eps_low, "in (0, 1)")
+    require(args.clip_eps_high > 0, "--clip-eps-high", args.clip_eps_high, "> 0")
+    require(args.std_eps >= 0, "--std-eps", args.std_eps, ">= 0")
+    require(args.max_gen_rounds >= 1, "--max-gen-rounds", args.max_gen_rounds, ">= 1")
     if args.fsdp and args.world_size < 2:
         raise fail("--fsdp shards the model over ranks: launch with torchrun --nproc_per_node=2 or more.")
     args.local_prompts_per_step = exact_div(

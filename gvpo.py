@@ -73,6 +73,7 @@ from common import (
     prepare_run_dir,
     print0,
     prompt_batch,
+    require,
     resume_hint,
     rollout_logprobs,
     sampler_logprob_gap,
@@ -243,6 +244,8 @@ def main(args: Args) -> None:
     rank, args.world_size, device = setup_distributed(args.dist_timeout)
     if args.group_size < 2:
         raise fail(f"--group-size {args.group_size}: group advantages need at least 2 completions per prompt.")
+    require(args.beta > 0, "--beta", args.beta, "> 0 (the implicit reward is beta times the log-ratio)")
+    require(args.reuse_steps >= 0, "--reuse-steps", args.reuse_steps, ">= 0")
     if args.fsdp and args.world_size < 2:
         raise fail("--fsdp shards the model over ranks: launch with torchrun --nproc_per_node=2 or more.")
     args.local_prompts_per_step = exact_div(

@@ -70,6 +70,7 @@ from common import (
     prepare_run_dir,
     print0,
     prompt_batch,
+    require,
     resume_hint,
     reward_model_scores,
     rollout_logprobs,
@@ -365,6 +366,14 @@ def main(args: Args) -> None:
         raise fail(f"--group-size {args.group_size}: sample at least 1 completion per prompt.")
     if args.target_kl is not None and args.target_kl <= 0:
         raise fail(f"--target-kl {args.target_kl}: must be positive (or leave it out to keep --beta fixed).")
+    require(0 < args.clip_eps < 1, "--clip-eps", args.clip_eps, "in (0, 1)")
+    require(args.beta >= 0, "--beta", args.beta, ">= 0")
+    require(0 <= args.gamma <= 1, "--gamma", args.gamma, "in [0, 1]")
+    require(0 <= args.lam <= 1, "--lam", args.lam, "in [0, 1]")
+    require(args.value_clip_eps > 0, "--value-clip-eps", args.value_clip_eps, "> 0")
+    require(args.vf_coef >= 0, "--vf-coef", args.vf_coef, ">= 0")
+    require(args.critic_learning_rate is None or args.critic_learning_rate > 0, "--critic-learning-rate",
+            args.critic_learning_rate, "> 0 (or left out: --learning-rate)")
     if args.fsdp and args.world_size < 2:
         raise fail("--fsdp shards the model over ranks: launch with torchrun --nproc_per_node=2 or more.")
     args.local_prompts_per_step = exact_div(

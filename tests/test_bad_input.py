@@ -2,6 +2,7 @@
 exit, and nothing written that would block a rerun. The table in docs/bad_input.md is generated from
 these rows (`PYTHONPATH=. python tests/test_bad_input.py > docs/bad_input.md`) and checked against them here."""
 
+import importlib
 import json
 import os
 import re
@@ -19,8 +20,9 @@ import common
 import grpo
 from conftest import ROOT, read_metrics, run
 
-# (input, grpo.py's arguments, the start of its message). Each stops at start-up. "{tmp}" is the
-# test's folder, where `make_inputs` writes the bad files; runs go to {tmp}/runs unless a row says.
+# (input, grpo.py's arguments, or another file's after its name, the start of the message). Each stops
+# at start-up. "{tmp}" is the test's folder, where `make_inputs` writes the bad files; runs go to
+# {tmp}/runs unless a row says.
 AT_START_UP = [
     ("`--max-new-tokens 0`", ["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
     ("`--temperature 0`", ["--temperature", "0"], "--temperature 0.0: must be > 0 (the log-probs divide the logits"),
@@ -42,6 +44,11 @@ AT_START_UP = [
     ("`--output-dir` not writable", ["--output-dir", "{tmp}/read_only/runs"], "read_only is not writable by this user"),
     ("`--run-name ../x`", ["--run-name", "../x"], "--run-name '../x': must be a folder name under --output-dir"),
     ("`--run-name` an absolute path", ["--run-name", "/tmp/x"], "--run-name '/tmp/x': must be a folder name"),
+    ("`--clip-eps 1.5`", ["--clip-eps", "1.5"], "--clip-eps 1.5: must be in (0, 1)"),
+    ("`--max-gen-rounds 0` (dapo.py)", ["dapo.py", "--max-gen-rounds", "0"], "--max-gen-rounds 0: must be >= 1"),
+    ("`--is-eps-low 2` (cispo.py)", ["cispo.py", "--is-eps-low", "2"], "--is-eps-low 2.0: must be in [0, 1]"),
+    ("`--beta 0` (gvpo.py)", ["gvpo.py", "--beta", "0"], "--beta 0.0: must be > 0 (the implicit reward is beta"),
+    ("`--gamma 1.5` (ppo.py)", ["ppo.py", "--gamma", "1.5"], "--gamma 1.5: must be in [0, 1]"),
     ("a truncated safetensors file", ["--model", "{tmp}/truncated"],
      "truncated': cannot read its weights (Error while deserializing header"),
     ("`config.json` not a JSON object", ["--model", "{tmp}/config_list"],
@@ -81,11 +88,12 @@ def test_bad_input_stops_at_start_up_with_one_line(tmp_path, what, argv, message
     if "not writable" in what and os.geteuid() == 0:
         pytest.skip("root may write anywhere")
     make_inputs(tmp_path)
-    argv = [arg.replace("{tmp}", str(tmp_path)) for arg in argv]
+    module = importlib.import_module(argv[0][:-3]) if argv[0].endswith(".py") else grpo
+    argv = [arg.replace("{tmp}", str(tmp_path)) for arg in argv if not arg.endswith(".py")]
     if "--output-dir" not in argv:
         argv += ["--output-dir", str(tmp_path / "runs")]
     with pytest.raises(SystemExit) as stop:
-        grpo.main(tyro.cli(grpo.Args, args=argv))
+        module.main(tyro.cli(module.Args, args=argv))
     assert str(stop.value).startswith("error: ") and "\n" not in str(stop.value)
     assert message in str(stop.value)
     assert not (tmp_path / "runs").exists() and not (tmp_path / "read_only" / "runs").exists()  # nothing written
