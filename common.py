@@ -1314,10 +1314,14 @@ def _lock(run_dir: Path) -> None:
                    f"{error.strerror or error}. Choose a writable --output-dir.") from None
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except (BlockingIOError, PermissionError):
         os.close(fd)
         raise fail(f"--run-name {run_dir.name}: {run_dir} is in use by another run that is still going "
                    "(it holds the folder's lock). Wait for it to end, or choose another --run-name.") from None
+    except OSError as error:  # e.g. a file system without locks
+        os.close(fd)
+        raise fail(f"--output-dir {run_dir.parent}: cannot lock {run_dir / RUN_LOCK} ({error.strerror}), so two "
+                   "runs could write into one folder. Use an --output-dir on a file system with locks.") from None
     _HELD_LOCKS[key] = fd
 
 
