@@ -1477,7 +1477,10 @@ def save_checkpoint(path: Path, modules: dict[str, torch.nn.Module], tokenizer, 
         steps = sorted((p for p in path.parent.glob("step_*") if re.fullmatch(r"step_\d+", p.name)
                         and _checkpoint_info(p)), key=lambda p: int(p.name[5:]))
         for old in steps[:-keep]:
-            shutil.rmtree(old)
+            try:
+                shutil.rmtree(old)
+            except OSError as error:  # rank 0 alone: a warning, never a stop that would leave the others waiting
+                print(f"warning: --keep-checkpoints {keep}: could not remove {old} ({error.strerror})", flush=True)
 
 
 def _stop_if_any_failed(error: BaseException | None, path: Path, tmp: Path, rank: int) -> None:
