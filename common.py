@@ -1390,11 +1390,7 @@ def _set_aside_after(run_dir: Path, step: int) -> None:
     dropped = [line for line in lines if _step_of(line) >= step]
     if not later and not dropped:
         return
-    aside = run_dir / f"abandoned_after_step_{step}"
-    k = 1
-    while aside.exists():
-        k += 1
-        aside = run_dir / f"abandoned_after_step_{step}.{k}"
+    aside = _unused(run_dir / f"abandoned_after_step_{step}")
     aside.mkdir()
     for path in later:
         path.rename(aside / path.name)
@@ -1528,13 +1524,18 @@ def _fsync_tree(folder: Path) -> None:
         _fsync(Path(root))
 
 
-def _move_aside(path: Path) -> Path:
+def _unused(path: Path) -> Path:
+    """`path`, or the first of `path.2`, `path.3`, ... that does not exist yet."""
     k = 1
-    while (aside := path.with_name(f"{path.name}.old{'' if k == 1 else k}")).exists():
+    while (found := path if k == 1 else path.with_name(f"{path.name}.{k}")).exists():
         k += 1
+    return found
+
+
+def _move_aside(path: Path) -> None:
+    aside = _unused(path.with_name(f"{path.name}.old"))
     path.rename(aside)
     print0(f"moved the earlier {path} aside to {aside}")
-    return aside
 
 
 class _MetadataUnpickler(pickle.Unpickler):
