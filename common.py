@@ -1284,8 +1284,7 @@ def _claim_run_dir(run_dir: Path, checkpoint: Path | None) -> None:
     if _holds_a_run(run_dir):  # checked again under the lock: another run may have taken it since start-up
         raise _taken(run_dir)
     if checkpoint is not None:
-        step, metrics = _checkpoint_info(checkpoint)["step"], checkpoint.parent / "metrics.jsonl"
-        lines = metrics.read_text().splitlines(keepends=True) if metrics.exists() else []
+        step, lines = _checkpoint_info(checkpoint)["step"], _metrics_lines(checkpoint.parent)
         (run_dir / "metrics.jsonl").write_text("".join(line for line in lines if _step_of(line) < step))
 
 
@@ -1353,9 +1352,19 @@ def _checkpoint_info(path: Path) -> dict:
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The resumable checkpoint of the highest step in run_dir (never a half-written `step_N.tmp`)."""
-    found = [p for p in Path(run_dir).glob("step_*") if re.fullmatch(r"step_\d+", p.name)
-             and _checkpoint_info(p).get("resumable")]
-    return max(found, key=lambda p: int(p.name.split("_")[1]), default=None)
+    found = [p for p in _step_folders(run_dir) if _checkpoint_info(p).get("resumable")]
+    return found[-1] if found else None
+
+
+def _step_folders(run_dir: Path) -> list[Path]:
+    """run_dir's step_N folders (never step_N.tmp), by step."""
+    found = [p for p in Path(run_dir).glob("step_*") if re.fullmatch(r"step_\d+", p.name)]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def _metrics_lines(run_dir: Path) -> list[str]:
+    metrics = run_dir / "metrics.jsonl"
+    return metrics.read_text().splitlines(keepends=True) if metrics.exists() else []
 
 
 def _check_same_run(checkpoint: Path, run_info: dict) -> None:
@@ -1383,10 +1392,9 @@ def _check_same_run(checkpoint: Path, run_info: dict) -> None:
 def _set_aside_after(run_dir: Path, step: int) -> None:
     """Move the checkpoints after `step`, `final/` and the metrics lines from `step` on, which the
     resumed run will write anew, into run_dir/abandoned_after_step_<step>[.k]/."""
-    later = [p for p in run_dir.glob("step_*") if re.fullmatch(r"step_\d+", p.name) and int(p.name[5:]) > step]
+    later = [p for p in _step_folders(run_dir) if int(p.name[5:]) > step]
     later += [run_dir / "final"] if (run_dir / "final").exists() else []
-    metrics = run_dir / "metrics.jsonl"
-    lines = metrics.read_text().splitlines(keepends=True) if metrics.exists() else []
+    lines = _metrics_lines(run_dir)
     dropped = [line for line in lines if _step_of(line) >= step]
     if not later and not dropped:
         return
@@ -1395,7 +1403,7 @@ def _set_aside_after(run_dir: Path, step: int) -> None:
     for path in later:
         path.rename(aside / path.name)
     (aside / "metrics.jsonl").write_text("".join(dropped))
-    metrics.write_text("".join(line for line in lines if _step_of(line) < step))
+    (run_dir / "metrics.jsonl").write_text("".join(line for line in lines if _step_of(line) < step))
     print(f"resuming from step {step}: what the run wrote after it is kept in {aside}", flush=True)
 
 
@@ -1470,8 +1478,7 @@ def save_checkpoint(path: Path, modules: dict[str, torch.nn.Module], tokenizer, 
             error = exc
     _stop_if_any_failed(error, path, tmp, rank)
     if rank == 0 and keep > 0:
-        steps = sorted((p for p in path.parent.glob("step_*") if re.fullmatch(r"step_\d+", p.name)
-                        and _checkpoint_info(p)), key=lambda p: int(p.name[5:]))
+        steps = [p for p in _step_folders(path.parent) if _checkpoint_info(p)]
         for old in steps[:-keep]:
             try:
                 shutil.rmtree(old)
