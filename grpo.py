@@ -23,8 +23,8 @@ Run:
         --dataset train.jsonl --max-new-tokens 512 --learning-rate 1e-6 --micro-batch-size 16
 """
 
+import sys
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal, Optional
@@ -34,42 +34,29 @@ import tyro
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import (
-    DEFAULT_MODEL,
-    Logger,
+    UsageError,
     all_reduce_mean,
     all_reduce_sum,
     check_flags,
-    claim_run_dir,
     cleanup_distributed,
-    clip_grad_norm,
-    evaluate,
-    exact_div,
-    fail,
-    fit_prompts,
-    format_prompt,
     generate,
     get_logprobs,
-    load_checkpoint,
-    load_data,
-    load_model,
-    load_reward_fn,
-    load_tokenizer,
+    masked_mean,
     mean_metrics,
-    model_positions,
-    peak_memory_gb,
-    prepare_run_dir,
+    no_sync,
+    perf_metrics,
     print0,
-    prompt_batch,
     require,
-    resume_hint,
     rollout_logprobs,
+    rollout_metrics,
     sampler_logprob_gap,
-    save_checkpoint,
-    score,
     setup_distributed,
-    shard_model,
     timed,
 )
+from data import fit_prompts, format_prompt, load_data, model_positions, prompt_batch
+from models import DEFAULT_MODEL, clip_grad_norm, load_model, load_tokenizer, shard_model
+from rewards import evaluate, load_reward_fn, score
+from runs import Logger, claim_run_dir, load_checkpoint, prepare_run_dir, resume_hint, save_checkpoint
 
 # ---------------------------------------------------------------------------------------------
 # 1. Config
@@ -82,7 +69,7 @@ class Args:
     seed: int = 1
     """seed of the data order, the sampling and evaluation"""
     run_name: Optional[str] = None
-    """metrics and checkpoints go to <output-dir>/<run-name> (default: <file>__<seed>__<unix time>)"""
+    """metrics and checkpoints go to <output-dir>/<run-name> ; left out: <file>__<seed>__<unix time>"""
     output_dir: str = "runs"
     """folder of all runs"""
     track: bool = False
@@ -104,15 +91,15 @@ class Args:
     """weights dtype; auto = float32 on CPU, bfloat16 on GPU (log-probs are always computed in float32)"""
     dataset: Optional[str] = None
     """training data: a JSONL file, a Hugging Face dataset name, or a JSON/Parquet/CSV file or dataset folder
-    (needs `pip install datasets`); default: the built-in a+b task"""
+    (needs `pip install datasets`); left out: the built-in a+b task"""
     dataset_config: Optional[str] = None
     """configuration of --dataset (e.g. 'main' for openai/gsm8k)"""
     split: str = "train"
     """split of --dataset to train on"""
     eval_dataset: Optional[str] = None
-    """held-out data, in the same forms (default: --eval-split of --dataset, else its last --eval-size rows)"""
+    """held-out data, in the same forms; left out: --eval-split of --dataset, else its last --eval-size rows"""
     eval_split: Optional[str] = None
-    """split of the held-out data (default for --eval-dataset: 'test', or its only split)"""
+    """split of the held-out data; left out: 'test' for --eval-dataset (or its only split)"""
     eval_size: int = 500
     """held-out prompts taken from the built-in task or --dataset when there is no --eval-dataset or --eval-split"""
     prompt_field: str = "prompt"
@@ -134,8 +121,8 @@ class Args:
     group_size: int = 8
     """G: completions sampled per prompt"""
     max_prompt_length: Optional[int] = None
-    """drop prompts longer than this many tokens after the chat template (default: only those that leave no
-    room for --max-new-tokens in the model's positions are dropped)"""
+    """drop prompts longer than this many tokens after the chat template; left out: only those that leave
+    no room for --max-new-tokens in the model's positions are dropped"""
     max_new_tokens: int = 8
     """generation limit per completion; a completion that reaches it without EOS is 'truncated'"""
     temperature: float = 1.0
@@ -149,7 +136,7 @@ class Args:
     num_minibatches: int = 1
     """optimizer steps per pass over the rollout"""
     micro_batch_size: Optional[int] = None
-    """sequences per forward/backward on each rank, accumulated up to the minibatch (default: the whole minibatch)"""
+    """sequences per forward/backward on each rank, accumulated up to the minibatch; left out: the whole minibatch"""
     fsdp: bool = False
     """shard weights, gradients and optimizer state over the ranks (FSDP2; bf16 compute on GPU) instead of DDP"""
     dist_timeout: float = 60.0
@@ -199,10 +186,10 @@ def compute_loss(
     ref_logprobs: Optional[torch.Tensor],
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    num_sequences: float,
+    num_sequences: float | torch.Tensor,
     clip_eps: float = 0.2,
     beta: float = 0.04,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss (minimised): clipped surrogate + beta * k3 KL, token-mean per sequence, then summed over
     sequences and divided by `num_sequences`.
 
@@ -225,11 +212,11 @@ def compute_loss(
     with torch.no_grad():
         n = response_mask.sum().clamp(min=1)
         clipped = (ratio - 1).abs() > clip_eps
-        metrics = {
-            "loss/policy": ((pg_losses * response_mask).sum(-1) / token_count).mean().item(),
-            "loss/kl": ((kl * response_mask).sum(-1) / token_count).mean().item(),
-            "policy/clipfrac": ((clipped.float() * response_mask).sum() / n).item(),
-            "policy/approx_kl": (((ratio - 1) - torch.log(ratio)) * response_mask).sum().item() / n.item(),
+        metrics = {  # tensors: the caller syncs them with the device once per step
+            "loss/policy": ((pg_losses * response_mask).sum(-1) / token_count).mean(),
+            "loss/kl": ((kl * response_mask).sum(-1) / token_count).mean(),
+            "policy/clipfrac": (clipped.float() * response_mask).sum() / n,
+            "policy/approx_kl": (((ratio - 1) - torch.log(ratio)) * response_mask).sum() / n,
         }
     return loss, metrics
 
@@ -240,24 +227,15 @@ def compute_loss(
 
 
 def main(args: Args) -> None:
-    check_flags(args)  # the shared flags, before anything is loaded or written
-    rank, args.world_size, device = setup_distributed(args.dist_timeout)
+    check_flags(args)  # the shared flags and the per-rank batch sizes, before anything is loaded or written
+    # --- algorithm: GRPO's flags ---
     if args.group_size < 2:
-        raise fail(f"--group-size {args.group_size}: group advantages need at least 2 completions per prompt.")
+        raise UsageError(f"--group-size {args.group_size}: group advantages need at least 2 completions per prompt.")
     require(0 < args.clip_eps < 1, "--clip-eps", args.clip_eps, "in (0, 1)")
     require(args.beta >= 0, "--beta", args.beta, ">= 0 (0 skips the reference model)")
     require(args.std_eps >= 0, "--std-eps", args.std_eps, ">= 0")
-    if args.fsdp and args.world_size < 2:
-        raise fail("--fsdp shards the model over ranks: launch with torchrun --nproc_per_node=2 or more.")
-    args.local_prompts_per_step = exact_div(
-        args.prompts_per_step, args.world_size, "--prompts-per-step must be divisible by the number of ranks")
-    args.local_batch_size = args.local_prompts_per_step * args.group_size
-    args.minibatch_size = exact_div(
-        args.local_batch_size, args.num_minibatches,
-        "--num-minibatches must divide the sequences per rank (--prompts-per-step / ranks * --group-size)")
-    args.micro_batch_size = args.micro_batch_size or args.minibatch_size
-    exact_div(args.minibatch_size, args.micro_batch_size,
-              "--micro-batch-size must divide the sequences per rank and minibatch")
+    # ---
+    rank, args.world_size, device = setup_distributed(args.dist_timeout)
     run_info = {"algorithm": Path(__file__).name, "config": asdict(args)}  # recorded in every checkpoint
     run_dir, resume_dir = prepare_run_dir(run_info, rank)  # where it writes, and from what it resumes
 
@@ -277,30 +255,31 @@ def main(args: Args) -> None:
     if args.gradient_checkpointing:  # HF recomputes layers in train mode only (dropout is off: nothing else changes)
         policy.activation_checkpointing_enable({"use_reentrant": False})
         policy.train()
+    if args.fsdp:  # sharded in place; FSDP2 averages gradients over ranks, as DDP does
+        shard_model(policy, device)
+    # --- algorithm: the reference model, the frozen initial policy (not loaded at all when beta = 0) ---
     ref_policy = None
-    if args.beta > 0:  # the reference is the frozen initial policy; not loaded at all when beta = 0
+    if args.beta > 0:
         torch.manual_seed(args.seed)
         ref_policy = load_model(args.model, args.dtype, device, tokenizer).eval().requires_grad_(False)
-    if args.fsdp:  # sharded in place; FSDP2 averages gradients over ranks, as DDP does
-        for module in (policy, ref_policy):
-            if module is not None:
-                shard_model(module, device)
+        if args.fsdp:
+            shard_model(ref_policy, device)
+    # ---
     torch.manual_seed(args.seed + rank)
+    # --- algorithm: what the optimizer trains: the policy ---
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    trained = {"policy": policy}  # what the optimizer updates: saved to and restored from checkpoints
-    start_step = 0
-    if resume_dir:  # weights, optimizer, RNG and step as saved: the run goes on as if it never stopped
-        start_step, _ = load_checkpoint(resume_dir, trained, optimizer, rank)
-    model = DDP(policy) if args.world_size > 1 and not args.fsdp else policy  # averages gradients over ranks
+    trained = {"policy": policy}  # saved to and restored from checkpoints
+    # ---
+    start_step, state = 0, {}  # state: what the algorithm carries from step to step (per rank, in checkpoints)
+    if resume_dir:  # weights, optimizer, RNG, step and state as saved: the run goes on as if it never stopped
+        start_step, state = load_checkpoint(resume_dir, trained, optimizer, rank)
+    # What the update calls: DDP averages gradients over ranks (FSDP2 has sharded in place: nothing to wrap).
+    wrapped = {name: DDP(m) if args.world_size > 1 and not args.fsdp else m for name, m in trained.items()}
+    model = wrapped["policy"]
     claim_run_dir(run_dir, resume_dir, rank)  # from here on this run writes there; a run holding it stops here
-    logger = Logger(run_dir, asdict(args), rank, args.track)
-    print0(f"{args.prompts_per_step} prompts x {args.group_size} completions = "
-           f"{args.prompts_per_step * args.group_size} sequences per step on {args.world_size} rank(s), "
-           f"up to {args.prompts_per_step * args.group_size * args.max_new_tokens} response tokens; "
-           f"{args.updates_per_rollout * args.num_minibatches} optimizer steps per rollout")
-
-    def extra_state() -> dict:  # what a checkpoint holds beyond weights, optimizer, RNG and step, per rank
-        return {}
+    logger = Logger(run_dir, asdict(args), rank, args.track, args.num_steps)
+    print0(f"{args.prompts_per_step} prompts x {args.group_size} completions per step on {args.world_size} rank(s), "
+           f"{args.updates_per_rollout * args.num_minibatches} optimizer steps each")
 
     for step in range(start_step, args.num_steps):
         step_start, times, metrics = time.perf_counter(), {}, {}
@@ -308,89 +287,78 @@ def main(args: Args) -> None:
             metrics.update(evaluate(policy, tokenizer, eval_set, args.chat_template, exact, args.max_new_tokens,
                                     rank, args.world_size, args.seed))
 
-        # 1. sample prompts: this rank's slice of the step's global batch
-        batch = prompt_batch(train_set, step, args.prompts_per_step, rank, args.world_size, args.seed)
+        # --- algorithm: 1-3. one group of G completions for each of the step's prompts, scored ---
+        batch = prompt_batch(train_set, step, args.prompts_per_step, rank, args.world_size, args.seed)  # this rank's
         prompts = [format_prompt(tokenizer, e["prompt"], args.chat_template) for e in batch]
-
-        # 2. generate G completions per prompt, stored contiguously by group
-        with timed(times, "gen"):
+        with timed(times, "gen"):  # stored contiguously by group: rows j*G .. j*G+G-1
             rollout = generate(policy, tokenizer, prompts, args.group_size, args.max_new_tokens, args.temperature)
-        b_ids, b_attention_mask, b_response_mask = rollout.input_ids, rollout.attention_mask, rollout.response_mask
-
-        # 3. score
         answers = [e["answer"] for e in batch for _ in range(args.group_size)]
         group_prompts = [e["prompt"] for e in batch for _ in range(args.group_size)]
         rewards, components = score(group_prompts, rollout.texts, answers, exact, args.format_weight,
                                     reward_fn, args.reward_fn)
+        b_rollout = rollout  # the batch to train on: here every completion sampled
 
-        # 4. advantages
+        # 4. advantages: each reward standardised within its group
         b_advantages = compute_advantages(rewards, args.group_size, args.std_eps).to(device)  # (B,)
+        # ---
+        b_ids, b_attention_mask = b_rollout.input_ids, b_rollout.attention_mask  # (B, P+T)
+        b_response_mask = b_rollout.response_mask  # (B, T): 1 on the response tokens, EOS included
 
-        # 5. old/ref log-probs (no grad), recomputed by the training model: the ratio starts at exactly 1
+        # 5. old log-probs (no grad), recomputed by the training model: the ratio starts at exactly 1
         with timed(times, "logprobs"):
-            b_old_logprobs = rollout_logprobs(model, rollout, args.temperature, args.micro_batch_size)  # (B, T)
+            b_old_logprobs = rollout_logprobs(model, b_rollout, args.temperature, args.micro_batch_size)  # (B, T)
+            # --- algorithm: the reference model's log-probs, for the KL penalty ---
             b_ref_logprobs = None
             if ref_policy is not None:
-                b_ref_logprobs = rollout_logprobs(ref_policy, rollout, args.temperature, args.micro_batch_size)
-        # Guard: were the completions drawn from the distribution the loss assumes? (gap ~1e-6 in fp32)
-        metrics.update(sampler_logprob_gap(rollout.sampler_logprobs, b_old_logprobs, rollout.response_mask))
+                b_ref_logprobs = rollout_logprobs(ref_policy, b_rollout, args.temperature, args.micro_batch_size)
+            # ---
+        # --- algorithm: the sampler guard, on the completions this policy sampled ---
+        # Were they drawn from the distribution the loss assumes? (the gap is ~1e-6 in fp32)
+        metrics.update(sampler_logprob_gap(b_rollout.sampler_logprobs, b_old_logprobs, b_rollout.response_mask))
+        # ---
 
         # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
         with timed(times, "update"):
+            minibatch_size = max(1, -(-len(b_ids) // args.num_minibatches))  # ceil: DAPO and GVPO resize the batch
             update_metrics = []
-            prompt_length = b_ids.shape[1] - b_response_mask.shape[1]  # responses start at this column
             for _ in range(args.updates_per_rollout):
-                b_order = torch.randperm(args.local_batch_size, device=device)
-                for start in range(0, args.local_batch_size, args.minibatch_size):
-                    mb_idx = b_order[start : start + args.minibatch_size]
-                    # Sequences in this optimizer step over all ranks; computed once, before the micro-batches.
-                    num_sequences = all_reduce_sum((b_response_mask[mb_idx].sum(-1) > 0).sum()).item()
-                    num_sequences /= args.world_size  # DDP averages gradients over ranks: undo it
-                    micro_starts = range(0, len(mb_idx), args.micro_batch_size)
-                    for k, micro in enumerate(micro_starts):
-                        idx = mb_idx[micro : micro + args.micro_batch_size]
-                        last = k == len(micro_starts) - 1
-                        # Sync gradients over ranks once per optimizer step, on the last micro-batch.
-                        with model.no_sync() if isinstance(model, DDP) and not last else nullcontext():
+                # --- algorithm: the minibatches: a fresh shuffle of the sequences each pass ---
+                b_order = torch.randperm(len(b_ids), device=device)
+                # ---
+                for start in range(0, len(b_ids), minibatch_size):  # none when the batch is empty (DAPO)
+                    mb_idx = b_order[start : start + minibatch_size]
+                    # --- algorithm: the loss is a mean over the optimizer step's sequences, on every rank ---
+                    num_sequences = all_reduce_sum((b_response_mask[mb_idx].sum(-1) > 0).sum()) / args.world_size
+                    # ---
+                    micro_batches = mb_idx.split(args.micro_batch_size)
+                    for k, idx in enumerate(micro_batches):
+                        # Gradients are synced over ranks once per optimizer step, on the last micro-batch.
+                        with no_sync(wrapped.values(), last=k == len(micro_batches) - 1):
                             logprobs, entropy = get_logprobs(model, b_ids[idx], b_attention_mask[idx],
-                                                             prompt_length, args.temperature)
+                                                             b_rollout.prompt_length, args.temperature)
+                            # --- algorithm: the GRPO loss ---
                             loss, mb_metrics = compute_loss(
                                 logprobs, b_old_logprobs[idx], None if b_ref_logprobs is None else b_ref_logprobs[idx],
                                 b_advantages[idx], b_response_mask[idx], num_sequences, args.clip_eps, args.beta)
+                            # ---
                             loss.backward()
-                        mb_metrics["policy/entropy"] = ((entropy * b_response_mask[idx]).sum() /
-                                                        b_response_mask[idx].sum().clamp(min=1)).item()
+                        mb_metrics["policy/entropy"] = masked_mean(entropy, b_response_mask[idx])
                         update_metrics.append(mb_metrics)
                     grad_norm = clip_grad_norm(policy.parameters(), args.max_grad_norm)
-                    if not torch.isfinite(grad_norm):  # same value on every rank: gradients are synced
-                        raise fail(f"step {step}: non-finite gradient norm ({grad_norm.item()}); stopped before "
-                                   f"the optimizer step. Try a lower --learning-rate, or check --reward-fn. "
-                                   f"{resume_hint(run_dir)}")
+                    if not torch.isfinite(grad_norm):  # one host sync per optimizer step; the same value on every rank
+                        raise UsageError(f"step {step}: non-finite gradient norm ({grad_norm.item()}); stopped before "
+                                         f"the optimizer step. Try a lower --learning-rate, or check --reward-fn. "
+                                         f"{resume_hint(run_dir)}")
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-                    update_metrics.append({"policy/grad_norm": grad_norm.item()})
+                    update_metrics.append({"policy/grad_norm": grad_norm})
 
         # 7. log, evaluate, checkpoint
-        lengths = rollout.response_mask.sum(-1)
-        step_s = time.perf_counter() - step_start
-        metrics.update({
-            "reward/mean": rewards.mean().item(),
-            "reward/std": rewards.std().item(),
-            **{f"reward/{name}": value.mean().item() for name, value in components.items()},
-            "response/length_mean": lengths.mean().item(),
-            "response/truncated_frac": rollout.truncated.float().mean().item(),
-            **mean_metrics(update_metrics),
-            "perf/step_s": step_s,
-            "perf/gen_s": times["gen"],
-            "perf/logprobs_s": times["logprobs"],
-            "perf/update_s": times["update"],
-            "perf/tokens_per_s": lengths.sum().item() * args.world_size / step_s,
-            "perf/peak_mem_gb": peak_memory_gb(device),
-        })
-        logger.log(step, all_reduce_mean(metrics, device))
+        metrics.update({**rollout_metrics(rewards, components, rollout), **mean_metrics(update_metrics)})
+        logger.log(step, all_reduce_mean({**metrics, **perf_metrics(times, step_start, rollout, device)}, device))
         if args.save_every and (step + 1) % args.save_every == 0:
             save_checkpoint(run_dir / f"step_{step + 1}", trained, tokenizer, rank, run_info, optimizer, step + 1,
-                            extra_state(), args.keep_checkpoints)
+                            state, args.keep_checkpoints)
 
     if args.eval_every:
         logger.log(args.num_steps, evaluate(policy, tokenizer, eval_set, args.chat_template, exact,
@@ -401,5 +369,9 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
-    cleanup_distributed()  # after main has returned (its DDP wrappers freed); ends a distributed run
+    try:
+        main(tyro.cli(Args))
+    except UsageError as error:  # bad input: one line naming the flag or file and the fix, no traceback
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    cleanup_distributed()  # after main has returned (its DDP wrappers freed): the ranks end together

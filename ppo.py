@@ -31,8 +31,8 @@ Run:
         --critic-learning-rate 3e-6 --micro-batch-size 16
 """
 
+import sys
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal, Optional
@@ -40,47 +40,32 @@ from typing import Literal, Optional
 import torch
 import tyro
 from torch.nn.parallel import DistributedDataParallel as DDP
-from transformers import AutoModel
+from transformers import AutoModel, AutoModelForSequenceClassification
 
 from common import (
-    DEFAULT_MODEL,
-    Logger,
+    UsageError,
     all_reduce_mean,
     all_reduce_sum,
     check_flags,
-    claim_run_dir,
     cleanup_distributed,
-    clip_grad_norm,
-    evaluate,
-    exact_div,
-    fail,
-    fit_prompts,
-    format_prompt,
     generate,
     get_logprobs,
-    load_checkpoint,
-    load_data,
-    load_model,
-    load_reward_fn,
-    load_reward_model,
-    load_tokenizer,
+    masked_mean,
     mean_metrics,
-    model_positions,
-    peak_memory_gb,
-    prepare_run_dir,
+    no_sync,
+    perf_metrics,
     print0,
-    prompt_batch,
     require,
-    resume_hint,
-    reward_model_scores,
     rollout_logprobs,
+    rollout_metrics,
     sampler_logprob_gap,
-    save_checkpoint,
-    score,
     setup_distributed,
-    shard_model,
     timed,
 )
+from data import fit_prompts, format_prompt, load_data, model_positions, prompt_batch
+from models import DEFAULT_MODEL, clip_grad_norm, load_model, load_tokenizer, shard_model
+from rewards import evaluate, load_reward_fn, score
+from runs import Logger, claim_run_dir, load_checkpoint, prepare_run_dir, resume_hint, save_checkpoint
 
 # ---------------------------------------------------------------------------------------------
 # 1. Config
@@ -93,7 +78,7 @@ class Args:
     seed: int = 1
     """seed of the data order, the sampling and evaluation"""
     run_name: Optional[str] = None
-    """metrics and checkpoints go to <output-dir>/<run-name> (default: <file>__<seed>__<unix time>)"""
+    """metrics and checkpoints go to <output-dir>/<run-name> ; left out: <file>__<seed>__<unix time>"""
     output_dir: str = "runs"
     """folder of all runs"""
     track: bool = False
@@ -115,15 +100,15 @@ class Args:
     """weights dtype; auto = float32 on CPU, bfloat16 on GPU (log-probs are always computed in float32)"""
     dataset: Optional[str] = None
     """training data: a JSONL file, a Hugging Face dataset name, or a JSON/Parquet/CSV file or dataset folder
-    (needs `pip install datasets`); default: the built-in a+b task"""
+    (needs `pip install datasets`); left out: the built-in a+b task"""
     dataset_config: Optional[str] = None
     """configuration of --dataset (e.g. 'main' for openai/gsm8k)"""
     split: str = "train"
     """split of --dataset to train on"""
     eval_dataset: Optional[str] = None
-    """held-out data, in the same forms (default: --eval-split of --dataset, else its last --eval-size rows)"""
+    """held-out data, in the same forms; left out: --eval-split of --dataset, else its last --eval-size rows"""
     eval_split: Optional[str] = None
-    """split of the held-out data (default for --eval-dataset: 'test', or its only split)"""
+    """split of the held-out data; left out: 'test' for --eval-dataset (or its only split)"""
     eval_size: int = 500
     """held-out prompts taken from the built-in task or --dataset when there is no --eval-dataset or --eval-split"""
     prompt_field: str = "prompt"
@@ -145,8 +130,8 @@ class Args:
     group_size: int = 8
     """G: completions sampled per prompt"""
     max_prompt_length: Optional[int] = None
-    """drop prompts longer than this many tokens after the chat template (default: only those that leave no
-    room for --max-new-tokens in the model's positions are dropped)"""
+    """drop prompts longer than this many tokens after the chat template; left out: only those that leave
+    no room for --max-new-tokens in the model's positions are dropped"""
     max_new_tokens: int = 8
     """generation limit per completion; a completion that reaches it without EOS is 'truncated'"""
     temperature: float = 1.0
@@ -160,7 +145,7 @@ class Args:
     num_minibatches: int = 1
     """optimizer steps per pass over the rollout"""
     micro_batch_size: Optional[int] = None
-    """sequences per forward/backward on each rank, accumulated up to the minibatch (default: the whole minibatch)"""
+    """sequences per forward/backward on each rank, accumulated up to the minibatch; left out: the whole minibatch"""
     fsdp: bool = False
     """shard weights, gradients and optimizer state over the ranks (FSDP2; bf16 compute on GPU) instead of DDP"""
     dist_timeout: float = 60.0
@@ -190,9 +175,9 @@ class Args:
     """weight of the value loss (N+ and TRL: 0.1); with a separate critic and Adam it mostly sets when
     --max-grad-norm clips the critic's gradient"""
     critic_learning_rate: Optional[float] = None
-    """the critic's AdamW learning rate (default: --learning-rate; verl uses 10x the policy's)"""
+    """the critic's AdamW learning rate; left out: --learning-rate (verl uses 10x the policy's)"""
     critic_model: Optional[str] = None
-    """backbone of the critic (default: --reward-model when given, as N+, else --model); must share
+    """backbone of the critic; left out: --reward-model when given (as N+), else --model; must share
     --model's tokenizer, since it reads the policy's tokens"""
     reward_model: Optional[str] = None
     """AutoModelForSequenceClassification (one output) whose score replaces the rule-based reward"""
@@ -230,6 +215,35 @@ class Critic(torch.nn.Module):
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                use_cache=False).last_hidden_state[:, prompt_length - 1 : -1]  # (B, L, H)
         return self.value_head(hidden.float()).squeeze(-1) * attention_mask[:, prompt_length:]
+
+
+def load_reward_model(name: str, dtype: str, device: torch.device):
+    """A frozen `AutoModelForSequenceClassification` with one output (a reward model) and its own
+    tokenizer, which need not be the policy's: completions are scored as text."""
+    tokenizer = load_tokenizer(name, "--reward-model")
+    model = load_model(name, dtype, device, tokenizer, AutoModelForSequenceClassification, "--reward-model")
+    if model.config.num_labels != 1:
+        raise UsageError(f"--reward-model {name!r}: has {model.config.num_labels} outputs; a reward model has one "
+                         "(AutoModelForSequenceClassification with num_labels=1).")
+    return model.eval().requires_grad_(False), tokenizer
+
+
+@torch.no_grad()
+def reward_model_scores(reward_model, tokenizer, prompts: list[str], completions: list[str], ended: torch.Tensor,
+                        chat_template: bool, batch_size: int) -> torch.Tensor:
+    """Scores (B,) of prompt + completion (+ EOS where the completion `ended` with it), re-tokenized with
+    the reward model's own tokenizer and read at the last token: left padding puts it in the last column,
+    where the sequence-classification head picks the last non-pad token."""
+    texts = [format_prompt(tokenizer, p, chat_template) + c + ((tokenizer.eos_token or "") if e else "")
+             for p, c, e in zip(prompts, completions, ended.tolist())]
+    device, scores = next(reward_model.parameters()).device, []
+    for i in range(0, len(texts), batch_size):
+        enc = tokenizer(texts[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+        mask = enc["attention_mask"].to(device)
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens start at 0
+        scores.append(reward_model(input_ids=enc["input_ids"].to(device), attention_mask=mask,
+                                   position_ids=position_ids).logits[:, 0].float().cpu())
+    return torch.cat(scores)
 
 
 def compute_rewards(
@@ -301,7 +315,7 @@ def compute_value_loss(
     old_values: torch.Tensor,
     returns: torch.Tensor,
     response_mask: torch.Tensor,
-    num_tokens: float,
+    num_tokens: float | torch.Tensor,
     value_clip_eps: float = 0.2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value loss: 1/2 max((V - R)^2, (V_clip - R)^2), V_clip = V_old + clip(V - V_old, -eps_v, eps_v),
@@ -324,11 +338,11 @@ def compute_loss(
     old_values: torch.Tensor,
     returns: torch.Tensor,
     response_mask: torch.Tensor,
-    num_tokens: float,
+    num_tokens: float | torch.Tensor,
     clip_eps: float = 0.2,
     value_clip_eps: float = 0.2,
     vf_coef: float = 0.1,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO loss (minimised): clipped surrogate + vf_coef * clipped value loss, both token-means over the
     optimizer step: summed over tokens and divided by `num_tokens`, the response tokens of the whole step
     (every micro-batch, every rank), computed once by the caller.
@@ -345,11 +359,11 @@ def compute_loss(
         n = response_mask.sum().clamp(min=1)
         clipped = (ratio - 1).abs() > clip_eps
         metrics = {
-            "loss/policy": ((pg_losses * response_mask).sum() / n).item(),
-            "loss/value": (vf_loss * num_tokens / n).item(),
-            "policy/clipfrac": ((clipped.float() * response_mask).sum() / n).item(),
-            "policy/approx_kl": (((ratio - 1) - torch.log(ratio)) * response_mask).sum().item() / n.item(),
-            "algo/value_clipfrac": vf_clipfrac.item(),
+            "loss/policy": (pg_losses * response_mask).sum() / n,
+            "loss/value": vf_loss * num_tokens / n,
+            "policy/clipfrac": (clipped.float() * response_mask).sum() / n,
+            "policy/approx_kl": (((ratio - 1) - torch.log(ratio)) * response_mask).sum() / n,
+            "algo/value_clipfrac": vf_clipfrac,
         }
     return loss, metrics
 
@@ -360,12 +374,10 @@ def compute_loss(
 
 
 def main(args: Args) -> None:
-    check_flags(args)  # the shared flags, before anything is loaded or written
-    rank, args.world_size, device = setup_distributed(args.dist_timeout)
-    if args.group_size < 1:
-        raise fail(f"--group-size {args.group_size}: sample at least 1 completion per prompt.")
+    check_flags(args)  # the shared flags and the per-rank batch sizes, before anything is loaded or written
+    # --- algorithm: PPO's flags ---
     if args.target_kl is not None and args.target_kl <= 0:
-        raise fail(f"--target-kl {args.target_kl}: must be positive (or leave it out to keep --beta fixed).")
+        raise UsageError(f"--target-kl {args.target_kl}: must be positive (or leave it out to keep --beta fixed).")
     require(0 < args.clip_eps < 1, "--clip-eps", args.clip_eps, "in (0, 1)")
     require(args.beta >= 0, "--beta", args.beta, ">= 0")
     require(0 <= args.gamma <= 1, "--gamma", args.gamma, "in [0, 1]")
@@ -374,17 +386,8 @@ def main(args: Args) -> None:
     require(args.vf_coef >= 0, "--vf-coef", args.vf_coef, ">= 0")
     require(args.critic_learning_rate is None or args.critic_learning_rate > 0, "--critic-learning-rate",
             args.critic_learning_rate, "> 0 (or left out: --learning-rate)")
-    if args.fsdp and args.world_size < 2:
-        raise fail("--fsdp shards the model over ranks: launch with torchrun --nproc_per_node=2 or more.")
-    args.local_prompts_per_step = exact_div(
-        args.prompts_per_step, args.world_size, "--prompts-per-step must be divisible by the number of ranks")
-    args.local_batch_size = args.local_prompts_per_step * args.group_size
-    args.minibatch_size = exact_div(
-        args.local_batch_size, args.num_minibatches,
-        "--num-minibatches must divide the sequences per rank (--prompts-per-step / ranks * --group-size)")
-    args.micro_batch_size = args.micro_batch_size or args.minibatch_size
-    exact_div(args.minibatch_size, args.micro_batch_size,
-              "--micro-batch-size must divide the sequences per rank and minibatch")
+    # ---
+    rank, args.world_size, device = setup_distributed(args.dist_timeout)
     run_info = {"algorithm": Path(__file__).name, "config": asdict(args)}  # recorded in every checkpoint
     run_dir, resume_dir = prepare_run_dir(run_info, rank)  # where it writes, and from what it resumes
 
@@ -400,54 +403,61 @@ def main(args: Args) -> None:
     # Same seed on every rank while loading, so any newly initialised weights (an added pad token's
     # embedding) are identical; then seed + rank, or every rank would sample the same completions.
     torch.manual_seed(args.seed)
-    # The critic reads the policy's token ids, so its backbone must share the policy's tokenizer.
-    critic_path = args.critic_model or args.reward_model or args.model
-    flag = "--critic-model" if args.critic_model else "--reward-model" if args.reward_model else "--model"
-    if critic_path != args.model and load_tokenizer(critic_path, flag).get_vocab() != tokenizer.get_vocab():
-        raise fail(f"{flag} {critic_path!r}: its tokenizer differs from --model's, and the critic reads the "
-                   "policy's tokens. Pass --critic-model with a model that shares --model's tokenizer "
-                   "(e.g. --critic-model <the --model path>).")
     policy = load_model(args.model, args.dtype, device, tokenizer)
     if args.gradient_checkpointing:  # HF recomputes layers in train mode only (dropout is off: nothing else changes)
         policy.activation_checkpointing_enable({"use_reentrant": False})
         policy.train()
+    if args.fsdp:  # sharded in place; FSDP2 averages gradients over ranks, as DDP does
+        shard_model(policy, device)
+    # --- algorithm: the reference model (not loaded when the KL is off), the reward model, the critic ---
     ref_policy = None
-    if args.beta > 0 or args.target_kl:  # the frozen initial policy; not loaded at all when the KL is off
+    if args.beta > 0 or args.target_kl:
         torch.manual_seed(args.seed)
         ref_policy = load_model(args.model, args.dtype, device, tokenizer).eval().requires_grad_(False)
     reward_model = rm_tokenizer = None
     if args.reward_model:
         reward_model, rm_tokenizer = load_reward_model(args.reward_model, args.dtype, device)
+    # The critic reads the policy's token ids, so its backbone must share the policy's tokenizer.
+    critic_path = args.critic_model or args.reward_model or args.model
+    flag = "--critic-model" if args.critic_model else "--reward-model" if args.reward_model else "--model"
+    if critic_path != args.model and load_tokenizer(critic_path, flag).get_vocab() != tokenizer.get_vocab():
+        raise UsageError(f"{flag} {critic_path!r}: its tokenizer differs from --model's, and the critic reads the "
+                         "policy's tokens. Pass --critic-model with a model that shares --model's tokenizer "
+                         "(e.g. --critic-model <the --model path>).")
     torch.manual_seed(args.seed)
     critic = Critic(load_model(critic_path, args.dtype, device, tokenizer, AutoModel, flag))
     if args.gradient_checkpointing:
         critic.backbone.activation_checkpointing_enable({"use_reentrant": False})
         critic.train()
-    if args.fsdp:  # sharded in place; FSDP2 averages gradients over ranks, as DDP does
-        for module in (policy, ref_policy, critic):
+    if args.fsdp:
+        for module in (ref_policy, critic):
             if module is not None:
                 shard_model(module, device)
+    # ---
     torch.manual_seed(args.seed + rank)
-    optimizer = torch.optim.AdamW([  # one optimizer, two parameter groups: the critic has its own rate
+    # --- algorithm: what the optimizer trains: the policy and the critic (its own learning rate) ---
+    optimizer = torch.optim.AdamW([
         {"params": policy.parameters()},
         {"params": critic.parameters(), "lr": args.critic_learning_rate or args.learning_rate},
     ], lr=args.learning_rate, weight_decay=args.weight_decay)
-    trained = {"policy": policy, "critic": critic}  # what the optimizer updates: saved to and restored from checkpoints
-    start_step, beta = 0, args.beta
-    if resume_dir:  # weights, optimizer, RNG and step as saved: the run goes on as if it never stopped
-        start_step, extra = load_checkpoint(resume_dir, trained, optimizer, rank)
-        beta = extra["beta"]
-    model = DDP(policy) if args.world_size > 1 and not args.fsdp else policy  # averages gradients over ranks
-    critic_model = DDP(critic) if args.world_size > 1 and not args.fsdp else critic
+    trained = {"policy": policy, "critic": critic}  # saved to and restored from checkpoints
+    # ---
+    start_step, state = 0, {}  # state: what the algorithm carries from step to step (per rank, in checkpoints)
+    if resume_dir:  # weights, optimizer, RNG, step and state as saved: the run goes on as if it never stopped
+        start_step, state = load_checkpoint(resume_dir, trained, optimizer, rank)
+    # --- algorithm: the KL coefficient, adapted each step with --target-kl ---
+    state.setdefault("beta", args.beta)
+    # ---
+    # What the update calls: DDP averages gradients over ranks (FSDP2 has sharded in place: nothing to wrap).
+    wrapped = {name: DDP(m) if args.world_size > 1 and not args.fsdp else m for name, m in trained.items()}
+    model = wrapped["policy"]
+    # --- algorithm: the critic, as the update calls it ---
+    critic_model = wrapped["critic"]
+    # ---
     claim_run_dir(run_dir, resume_dir, rank)  # from here on this run writes there; a run holding it stops here
-    logger = Logger(run_dir, asdict(args), rank, args.track)
-    print0(f"{args.prompts_per_step} prompts x {args.group_size} completions = "
-           f"{args.prompts_per_step * args.group_size} sequences per step on {args.world_size} rank(s), "
-           f"up to {args.prompts_per_step * args.group_size * args.max_new_tokens} response tokens; "
-           f"{args.updates_per_rollout * args.num_minibatches} optimizer steps per rollout")
-
-    def extra_state() -> dict:  # what a checkpoint holds beyond weights, optimizer, RNG and step, per rank
-        return {"beta": beta}  # the critic's weights are saved with the policy's (trained)
+    logger = Logger(run_dir, asdict(args), rank, args.track, args.num_steps)
+    print0(f"{args.prompts_per_step} prompts x {args.group_size} completions per step on {args.world_size} rank(s), "
+           f"{args.updates_per_rollout * args.num_minibatches} optimizer steps each")
 
     for step in range(start_step, args.num_steps):
         step_start, times, metrics = time.perf_counter(), {}, {}
@@ -455,16 +465,12 @@ def main(args: Args) -> None:
             metrics.update(evaluate(policy, tokenizer, eval_set, args.chat_template, exact, args.max_new_tokens,
                                     rank, args.world_size, args.seed))
 
-        # 1. sample prompts: this rank's slice of the step's global batch
-        batch = prompt_batch(train_set, step, args.prompts_per_step, rank, args.world_size, args.seed)
+        # --- algorithm: 1-3. one group of G completions for each of the step's prompts, scored by the rule-based
+        # reward or by the reward model (the rule's parts are still logged)
+        batch = prompt_batch(train_set, step, args.prompts_per_step, rank, args.world_size, args.seed)  # this rank's
         prompts = [format_prompt(tokenizer, e["prompt"], args.chat_template) for e in batch]
-
-        # 2. generate G completions per prompt, stored contiguously by group
-        with timed(times, "gen"):
+        with timed(times, "gen"):  # stored contiguously by group: rows j*G .. j*G+G-1
             rollout = generate(policy, tokenizer, prompts, args.group_size, args.max_new_tokens, args.temperature)
-        b_ids, b_attention_mask, b_response_mask = rollout.input_ids, rollout.attention_mask, rollout.response_mask
-
-        # 3. score: the rule-based reward, or the reward model's score (the rule's parts are still logged)
         answers = [e["answer"] for e in batch for _ in range(args.group_size)]
         group_prompts = [e["prompt"] for e in batch for _ in range(args.group_size)]
         rewards, components = score(group_prompts, rollout.texts, answers, exact, args.format_weight,
@@ -473,101 +479,100 @@ def main(args: Args) -> None:
             rewards = components["model"] = reward_model_scores(
                 reward_model, rm_tokenizer, group_prompts, rollout.texts, ~rollout.truncated, args.chat_template,
                 args.micro_batch_size)
+        b_rollout = rollout  # the batch to train on: here every completion sampled
+        # ---
+        b_ids, b_attention_mask = b_rollout.input_ids, b_rollout.attention_mask  # (B, P+T)
+        b_response_mask = b_rollout.response_mask  # (B, T): 1 on the response tokens, EOS included
 
-        # 4. old/ref log-probs and old values (no grad), recomputed by the training models: PPO needs them
-        # before its advantages. The ratio starts at exactly 1.
+        # 5. old log-probs (no grad), recomputed by the training model: the ratio starts at exactly 1
         with timed(times, "logprobs"):
-            b_old_logprobs = rollout_logprobs(model, rollout, args.temperature, args.micro_batch_size)  # (B, T)
+            b_old_logprobs = rollout_logprobs(model, b_rollout, args.temperature, args.micro_batch_size)  # (B, T)
+            # --- algorithm: the reference model's log-probs, for the KL penalty, and the critic's old values ---
             b_ref_logprobs = None
             if ref_policy is not None:
-                b_ref_logprobs = rollout_logprobs(ref_policy, rollout, args.temperature, args.micro_batch_size)
+                b_ref_logprobs = rollout_logprobs(ref_policy, b_rollout, args.temperature, args.micro_batch_size)
             with torch.no_grad():
                 b_old_values = torch.cat([
                     critic_model(b_ids[i : i + args.micro_batch_size], b_attention_mask[i : i + args.micro_batch_size],
-                                 rollout.prompt_length)
+                                 b_rollout.prompt_length)
                     for i in range(0, len(b_ids), args.micro_batch_size)])  # (B, T)
-        # Guard: were the completions drawn from the distribution the loss assumes? (gap ~1e-6 in fp32)
-        metrics.update(sampler_logprob_gap(rollout.sampler_logprobs, b_old_logprobs, rollout.response_mask))
+            # ---
+        # --- algorithm: the sampler guard, on the completions this policy sampled ---
+        # Were they drawn from the distribution the loss assumes? (the gap is ~1e-6 in fp32)
+        metrics.update(sampler_logprob_gap(b_rollout.sampler_logprobs, b_old_logprobs, b_rollout.response_mask))
+        # ---
 
-        # 5. per-token rewards (score at the end, KL penalty on every token), GAE, advantages whitened over
-        # the whole batch (statistics summed over ranks)
+        # --- algorithm: 4. advantages, after the log-probs and values they need: per-token rewards (the score at
+        # the end, the KL penalty on every token), GAE, whitened over the whole batch (sums over ranks)
         b_rewards, b_kl = compute_rewards(rewards.to(device), rollout.truncated.to(device), b_old_logprobs,
-                                          b_ref_logprobs, b_response_mask, beta, args.no_eos_score)
+                                          b_ref_logprobs, b_response_mask, state["beta"], args.no_eos_score)
         b_advantages, b_returns = compute_advantages(b_rewards, b_old_values, b_response_mask, args.gamma, args.lam)
         b_advantages = whiten(b_advantages, b_response_mask, all_reduce_sum)
         kl_sum, num_sequences = all_reduce_sum(torch.stack([b_kl.sum(), b_kl.new_tensor(len(b_kl))]))
         residual = ((b_returns - b_old_values) * b_response_mask)[b_response_mask > 0]
         metrics.update({
-            "algo/kl": (kl_sum / num_sequences).item(),  # k1 KL to the reference, nats per completion
-            "algo/beta": beta,
-            "algo/value_mean": ((b_old_values * b_response_mask).sum() / b_response_mask.sum()).item(),
-            "algo/explained_variance": (1 - residual.var() / b_returns[b_response_mask > 0].var()).item(),
+            "algo/kl": kl_sum / num_sequences,  # k1 KL to the reference, nats per completion
+            "algo/beta": state["beta"],
+            "algo/value_mean": (b_old_values * b_response_mask).sum() / b_response_mask.sum(),
+            "algo/explained_variance": 1 - residual.var() / b_returns[b_response_mask > 0].var(),
         })
         if args.target_kl:  # the coefficient for the next step, from the whole batch's KL
-            beta = update_kl_coef(beta, (kl_sum / num_sequences).item(), args.target_kl, int(num_sequences))
+            state["beta"] = update_kl_coef(state["beta"], (kl_sum / num_sequences).item(), args.target_kl,
+                                           int(num_sequences))
+        # ---
 
         # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
         with timed(times, "update"):
+            minibatch_size = max(1, -(-len(b_ids) // args.num_minibatches))  # ceil: DAPO and GVPO resize the batch
             update_metrics = []
-            prompt_length = b_ids.shape[1] - b_response_mask.shape[1]  # responses start at this column
             for _ in range(args.updates_per_rollout):
-                b_order = torch.randperm(args.local_batch_size, device=device)
-                for start in range(0, args.local_batch_size, args.minibatch_size):
-                    mb_idx = b_order[start : start + args.minibatch_size]
-                    # Tokens in this optimizer step over all ranks; computed once, before the micro-batches.
-                    num_tokens = all_reduce_sum(b_response_mask[mb_idx].sum()).item()
-                    num_tokens /= args.world_size  # DDP averages gradients over ranks: undo it
-                    micro_starts = range(0, len(mb_idx), args.micro_batch_size)
-                    for k, micro in enumerate(micro_starts):
-                        idx = mb_idx[micro : micro + args.micro_batch_size]
-                        last = k == len(micro_starts) - 1
-                        # Sync gradients over ranks once per optimizer step, on the last micro-batch.
-                        no_sync = isinstance(model, DDP) and not last
-                        with model.no_sync() if no_sync else nullcontext(), \
-                                critic_model.no_sync() if no_sync else nullcontext():
+                # --- algorithm: the minibatches: a fresh shuffle of the sequences each pass ---
+                b_order = torch.randperm(len(b_ids), device=device)
+                # ---
+                for start in range(0, len(b_ids), minibatch_size):  # none when the batch is empty (DAPO)
+                    mb_idx = b_order[start : start + minibatch_size]
+                    # --- algorithm: the loss is a sum over the optimizer step's response tokens, over every rank ---
+                    num_tokens = all_reduce_sum(b_response_mask[mb_idx].sum()) / args.world_size
+                    # ---
+                    micro_batches = mb_idx.split(args.micro_batch_size)
+                    for k, idx in enumerate(micro_batches):
+                        # Gradients are synced over ranks once per optimizer step, on the last micro-batch.
+                        with no_sync(wrapped.values(), last=k == len(micro_batches) - 1):
                             logprobs, entropy = get_logprobs(model, b_ids[idx], b_attention_mask[idx],
-                                                             prompt_length, args.temperature)
-                            values = critic_model(b_ids[idx], b_attention_mask[idx], prompt_length)  # (b, T)
+                                                             b_rollout.prompt_length, args.temperature)
+                            # --- algorithm: the PPO loss: clipped surrogate and clipped value loss ---
+                            values = critic_model(b_ids[idx], b_attention_mask[idx], b_rollout.prompt_length)  # (b, T)
                             loss, mb_metrics = compute_loss(
                                 logprobs, b_old_logprobs[idx], b_advantages[idx], values, b_old_values[idx],
                                 b_returns[idx], b_response_mask[idx], num_tokens, args.clip_eps, args.value_clip_eps,
                                 args.vf_coef)
+                            # ---
                             loss.backward()
-                        mb_metrics["policy/entropy"] = ((entropy * b_response_mask[idx]).sum() /
-                                                        b_response_mask[idx].sum().clamp(min=1)).item()
+                        mb_metrics["policy/entropy"] = masked_mean(entropy, b_response_mask[idx])
                         update_metrics.append(mb_metrics)
                     grad_norm = clip_grad_norm(policy.parameters(), args.max_grad_norm)
+                    # --- algorithm: the critic's gradients, clipped on their own ---
                     value_grad_norm = clip_grad_norm(critic.parameters(), args.max_grad_norm)
-                    if not (torch.isfinite(grad_norm) and torch.isfinite(value_grad_norm)):  # synced: same everywhere
-                        raise fail(f"step {step}: non-finite gradient norm (policy {grad_norm.item()}, critic "
-                                   f"{value_grad_norm.item()}); stopped before the optimizer step. Try a lower "
-                                   f"--learning-rate, or check --reward-fn. {resume_hint(run_dir)}")
+                    if not torch.isfinite(value_grad_norm):
+                        raise UsageError(f"step {step}: non-finite gradient norm of the critic "
+                                         f"({value_grad_norm.item()}); stopped before the optimizer step. Try a lower "
+                                         f"--critic-learning-rate, or check --reward-fn. {resume_hint(run_dir)}")
+                    update_metrics.append({"algo/value_grad_norm": value_grad_norm})
+                    # ---
+                    if not torch.isfinite(grad_norm):  # one host sync per optimizer step; the same value on every rank
+                        raise UsageError(f"step {step}: non-finite gradient norm ({grad_norm.item()}); stopped before "
+                                         f"the optimizer step. Try a lower --learning-rate, or check --reward-fn. "
+                                         f"{resume_hint(run_dir)}")
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-                    update_metrics.append({"policy/grad_norm": grad_norm.item(),
-                                           "algo/value_grad_norm": value_grad_norm.item()})
+                    update_metrics.append({"policy/grad_norm": grad_norm})
 
         # 7. log, evaluate, checkpoint
-        lengths = rollout.response_mask.sum(-1)
-        step_s = time.perf_counter() - step_start
-        metrics.update({
-            "reward/mean": rewards.mean().item(),
-            "reward/std": rewards.std().item(),
-            **{f"reward/{name}": value.mean().item() for name, value in components.items()},
-            "response/length_mean": lengths.mean().item(),
-            "response/truncated_frac": rollout.truncated.float().mean().item(),
-            **mean_metrics(update_metrics),
-            "perf/step_s": step_s,
-            "perf/gen_s": times["gen"],
-            "perf/logprobs_s": times["logprobs"],
-            "perf/update_s": times["update"],
-            "perf/tokens_per_s": lengths.sum().item() * args.world_size / step_s,
-            "perf/peak_mem_gb": peak_memory_gb(device),
-        })
-        logger.log(step, all_reduce_mean(metrics, device))
+        metrics.update({**rollout_metrics(rewards, components, rollout), **mean_metrics(update_metrics)})
+        logger.log(step, all_reduce_mean({**metrics, **perf_metrics(times, step_start, rollout, device)}, device))
         if args.save_every and (step + 1) % args.save_every == 0:
             save_checkpoint(run_dir / f"step_{step + 1}", trained, tokenizer, rank, run_info, optimizer, step + 1,
-                            extra_state(), args.keep_checkpoints)
+                            state, args.keep_checkpoints)
 
     if args.eval_every:
         logger.log(args.num_steps, evaluate(policy, tokenizer, eval_set, args.chat_template, exact,
@@ -578,5 +583,9 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
-    cleanup_distributed()  # after main has returned (its DDP wrappers freed); ends a distributed run
+    try:
+        main(tyro.cli(Args))
+    except UsageError as error:  # bad input: one line naming the flag or file and the fix, no traceback
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    cleanup_distributed()  # after main has returned (its DDP wrappers freed): the ranks end together

@@ -2,23 +2,21 @@
 the save and for the resume, on CPU with gloo. The goal is about params / ranks per rank (each rank
 writes and reads only its own shards), not params.
 
-    python benchmarks/checkpoint_memory.py                         # 2 ranks, a 101M-parameter Qwen3
-    python benchmarks/checkpoint_memory.py --layers 1 --hidden 64  # tiny (the test)
-    PYTHONPATH=<worktree of an older commit> python benchmarks/checkpoint_memory.py   # that commit's common.py
+    python -m benchmarks.checkpoint_memory                         # 2 ranks, a 101M-parameter Qwen3
+    python -m benchmarks.checkpoint_memory --layers 1 --hidden 64  # tiny (the test)
 
 The script launches itself with torchrun. Each rank builds the model from tiny_model's config with the
-given sizes (random weights, nothing downloaded), shards it with `common.shard_model`, and takes one AdamW
+given sizes (random weights, nothing downloaded), shards it with `models.shard_model`, and takes one AdamW
 step, so the optimizer holds its two moments. Then:
-  save      `common.save_checkpoint` with the optimizer, as --save-every writes a step (on rank 0 this
+  save      `runs.save_checkpoint` with the optimizer, as --save-every writes a step (on rank 0 this
             includes gathering the weights for the step's `save_pretrained` export);
-  export    `common.save_checkpoint` without it, as `final/` is written: the export alone;
-  resume    a fresh model and optimizer, `common.load_checkpoint`.
+  export    `runs.save_checkpoint` without it, as `final/` is written: the export alone;
+  resume    a fresh model and optimizer, `runs.load_checkpoint`.
 Peak growth is VmHWM after the call minus resident memory before it, with VmHWM reset just before
 (/proc/self/clear_refs); "state" is what this rank holds of weights + moments (4 bytes each), for scale.
 Not a test: timings depend on the machine.
 """
 
-import inspect
 import os
 import subprocess
 import sys
@@ -73,7 +71,7 @@ def build(args: Args, device):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from common import DEFAULT_MODEL, shard_model
+    from models import DEFAULT_MODEL, shard_model
 
     config = AutoConfig.from_pretrained(DEFAULT_MODEL, num_hidden_layers=args.layers, hidden_size=args.hidden,
                                         intermediate_size=args.intermediate, num_attention_heads=args.hidden // 64,
@@ -91,11 +89,12 @@ def worker(args: Args) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    import common
-    from common import load_tokenizer, setup_distributed
+    from common import setup_distributed
+    from models import DEFAULT_MODEL, load_tokenizer
+    from runs import load_checkpoint, save_checkpoint
 
     rank, world_size, device = setup_distributed()
-    tokenizer = load_tokenizer(common.DEFAULT_MODEL)
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
     model, optimizer = build(args, device)
     ids = torch.randint(0, args.vocab, (2, 16))
     model(input_ids=ids, labels=ids).loss.backward()
@@ -104,32 +103,24 @@ def worker(args: Args) -> None:
     params = sum(p.numel() for p in model.parameters())
     own = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
 
-    new_api = "run_info" in inspect.signature(common.save_checkpoint).parameters
-    run_info = {"algorithm": "grpo.py", "config": {"model": common.DEFAULT_MODEL}}
+    run_info = {"algorithm": "grpo.py", "config": {"model": DEFAULT_MODEL}}
     folder, phase = Path(os.environ["CHECKPOINT_DIR"]), os.environ["PHASE"]
 
     def call():
         step, final = folder / "step_1", folder / "final"
-        if phase == "save" and new_api:  # as --save-every writes a step
-            common.save_checkpoint(step, {"policy": model}, tokenizer, rank, run_info, optimizer, 1)
-        elif phase == "save":  # before torch.distributed.checkpoint: weights and optimizer gathered to rank 0
-            common.save_checkpoint(model, tokenizer, step, rank, optimizer, 1)
-        elif phase == "export" and new_api:  # as final/ is written
-            common.save_checkpoint(final, {"policy": model}, tokenizer, rank, run_info)
-        elif phase == "export":
-            common.save_checkpoint(model, tokenizer, final, rank)
-        elif new_api:  # resume, into a model and optimizer that have taken a step of their own
-            common.load_checkpoint(step, {"policy": model}, optimizer, rank)
-        else:
-            common.load_checkpoint(step, model, optimizer, rank, world_size)
+        if phase == "save":  # as --save-every writes a step
+            save_checkpoint(step, {"policy": model}, tokenizer, rank, run_info, optimizer, 1)
+        elif phase == "export":  # as final/ is written
+            save_checkpoint(final, {"policy": model}, tokenizer, rank, run_info)
+        else:  # resume, into a model and optimizer that have taken a step of their own
+            load_checkpoint(step, {"policy": model}, optimizer, rank)
 
     table = [None] * world_size
     dist.all_gather_object(table, measured(call))
     if rank == 0:
         if phase == "save":
             state = 3 * 4 * own  # weights + AdamW's two moments, fp32, this rank's shards
-            print(f"{params / 1e6:.1f}M parameters on {world_size} ranks "
-                  f"({'DCP shards' if new_api else 'gathered to rank 0'}); weights + moments: "
+            print(f"{params / 1e6:.1f}M parameters on {world_size} ranks, saved as DCP shards; weights + moments: "
                   f"{3 * 4 * params / 1e6:.0f} MB in all, {state / 1e6:.0f} MB per rank")
             print("| call | rank | seconds | peak RSS growth (MB) | growth / this rank's weights + moments |")
             print("|---|---|---|---|---|")
@@ -144,11 +135,10 @@ def main(args: Args) -> None:
         return worker(args)
     with tempfile.TemporaryDirectory() as folder:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
-               __file__, *sys.argv[1:]]
+               "-m", "benchmarks.checkpoint_memory", *sys.argv[1:]]
         env = {**os.environ, "CHECKPOINT_DIR": folder, "OMP_NUM_THREADS": "1"}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(ROOT)) if p)
         for phase in ("save", "export", "resume"):  # each in fresh processes: no memory carried between them
-            subprocess.run(cmd, env={**env, "PHASE": phase}, check=True)
+            subprocess.run(cmd, cwd=ROOT, env={**env, "PHASE": phase}, check=True)
 
 
 if __name__ == "__main__":

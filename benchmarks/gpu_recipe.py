@@ -2,9 +2,9 @@
 realistic shape, on one GPU with no internet: the model is built from a config with random weights
 (timings do not depend on the weights; nothing is downloaded).
 
-    python benchmarks/gpu_recipe.py                         # Qwen3-0.6B shape, 64 prompts x 8, 512 new tokens
-    python benchmarks/gpu_recipe.py --micro-batch-size 32 --peak-tflops 989
-    python benchmarks/gpu_recipe.py --config tiny_model --device cpu --prompts 2 --group-size 2 \\
+    python -m benchmarks.gpu_recipe        # from the repo root: Qwen3-0.6B shape, 64 prompts x 8, 512 new tokens
+    python -m benchmarks.gpu_recipe --micro-batch-size 32 --peak-tflops 989
+    python -m benchmarks.gpu_recipe --config tiny_model --device cpu --prompts 2 --group-size 2 \\
         --prompt-length 8 --new-tokens 4                    # the CPU check the tests run
 
 What it runs, each timed after a warm-up:
@@ -20,20 +20,21 @@ and the LM head on the response tokens only (get_logprobs applies it to those); 
 not counted. --peak-tflops defaults to 989, the dense bf16 peak of an H100/H200 SXM.
 """
 
-import argparse
 import json
-import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
+import tyro
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import grpo
+from common import get_logprobs
+from models import clip_grad_norm
 
-import grpo  # noqa: E402  (the repository's files, importable once ROOT is on the path)
-from common import clip_grad_norm, get_logprobs  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 # Qwen/Qwen3-0.6B's config.json (written out: nothing can be downloaded on the GPU machine).
 QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -106,20 +107,26 @@ def update(model, optimizer, ids: torch.Tensor, prompt_length: int, micro_batch_
     return grad_norm.item()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="qwen3-0.6b", help="'qwen3-0.6b' or a folder with a config.json")
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--prompt-length", type=int, default=256)
-    parser.add_argument("--new-tokens", type=int, default=512)
-    parser.add_argument("--micro-batch-size", type=int, default=16, help="sequences per forward/backward")
-    parser.add_argument("--update-steps", type=int, default=2, help="timed optimizer steps (after one warm-up)")
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="the accelerator's dense bf16 peak")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", type=Path, help="also write the figures to this JSON file")
-    args = parser.parse_args()
+@dataclass
+class Args:
+    config: str = "qwen3-0.6b"
+    """'qwen3-0.6b' or a folder with a config.json"""
+    prompts: int = 64
+    group_size: int = 8
+    prompt_length: int = 256
+    new_tokens: int = 512
+    micro_batch_size: int = 16
+    """sequences per forward/backward"""
+    update_steps: int = 2
+    """timed optimizer steps (after one warm-up)"""
+    peak_tflops: float = 989.0
+    """the accelerator's dense bf16 peak"""
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    out: Optional[Path] = None
+    """also write the figures to this JSON file"""
 
+
+def main(args: Args) -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # grpo.py's --dtype auto
     config = build_config(args.config)
@@ -165,4 +172,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(tyro.cli(Args))

@@ -2,9 +2,9 @@
 one CSV, a PNG of the curves (mean and min-max over seeds) and a table of how fast each file
 reaches a target held-out accuracy.
 
-    python benchmarks/learning_curves.py                        # 5 files x seeds 1 2 3 x 200 steps (~1 h on 2 cores)
-    python benchmarks/learning_curves.py --configs grpo "gvpo --reuse-steps 1" --seeds 1 2
-    python benchmarks/learning_curves.py --from-csv benchmarks/results/learning_curves.csv   # table and plot only
+    python -m benchmarks.learning_curves                        # from the repo root: 5 files x seeds 1 2 3 x 200 steps
+    python -m benchmarks.learning_curves --configs grpo "gvpo --reuse-steps 1" --seeds 1 2
+    python -m benchmarks.learning_curves --from-csv             # table and plot of --out only, no training
 
 Every run is `python <file>.py --seed S --num-steps N --eval-every E` with the files' shared defaults
 (32 prompts x 8 completions per step, 2 updates per rollout, learning rate 2e-4): the same rollout
@@ -21,7 +21,6 @@ where it stopped. Plotting needs matplotlib (`pip install -r benchmarks/requirem
 without it the CSV and the table are still written.
 """
 
-import argparse
 import csv
 import json
 import re
@@ -31,7 +30,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import tyro
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ["grpo", "dapo", "cispo", "gvpo", "ppo"]
@@ -171,22 +173,29 @@ def plot(rows: list[dict], path: Path, title: str) -> bool:
     return True
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", nargs="+", default=CONFIGS,
-                        help='algorithm files, each optionally with its own flags: grpo "gvpo --reuse-steps 1"')
-    parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--eval-every", type=int, default=20)
-    parser.add_argument("--target", type=float, default=0.7, help="held-out sampled accuracy for the table")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "learning_curves.csv",
-                        help="the CSV (one --steps budget per file); the PNG is written next to it")
-    parser.add_argument("--from-csv", action="store_true", help="no training: table and plot from --out")
-    parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="flags passed to every run")
-    args = parser.parse_args()
+@dataclass
+class Args:
+    configs: tuple[str, ...] = tuple(CONFIGS)
+    """algorithm files, each optionally with its own flags, e.g. grpo "gvpo --reuse-steps 1" """
+    seeds: tuple[int, ...] = (1, 2, 3)
+    steps: int = 200
+    eval_every: int = 20
+    target: float = 0.7
+    """held-out sampled accuracy for the table"""
+    out: Path = ROOT / "benchmarks" / "results" / "learning_curves.csv"
+    """the CSV (one --steps budget per file); the PNG is written next to it"""
+    from_csv: bool = False
+    """no training: the table and the plot from --out"""
+    extra: str = ""
+    """flags passed to every run, as one string after '=': --extra="--eval-size 100" """
+
+
+def main(args: Args) -> None:
+    extra = shlex.split(args.extra)
     for config in args.configs:
         if not (ROOT / f"{shlex.split(config)[0]}.py").exists():
-            parser.error(f"--configs: no file {shlex.split(config)[0]}.py (choose from {', '.join(CONFIGS)})")
+            raise SystemExit(f"error: --configs: no file {shlex.split(config)[0]}.py "
+                             f"(choose from {', '.join(CONFIGS)})")
 
     if not args.from_csv:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -198,7 +207,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             for i, (config, seed) in enumerate(todo, 1):
                 start = time.perf_counter()
-                new = run(config, seed, args.steps, args.eval_every, args.extra, Path(tmp))
+                new = run(config, seed, args.steps, args.eval_every, extra, Path(tmp))
                 append_csv(args.out, new)
                 final = new[-1]
                 print(f"[{i}/{len(todo)}] {config} seed {seed}: held-out {new[0]['eval_accuracy']:.3f} -> "
@@ -219,4 +228,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(tyro.cli(Args))

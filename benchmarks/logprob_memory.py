@@ -5,22 +5,24 @@ The model is a 1-layer Qwen3 with a small hidden size: what this measures is the
 which does not depend on depth. Each measurement runs in its own process; on CPU the figure is the growth
 of peak resident memory (VmHWM) over the process's baseline, on GPU torch's max_memory_allocated.
 
-    python benchmarks/logprob_memory.py                     # chunked path at 8 x 2048, naive at 1 x 2048
-    python benchmarks/logprob_memory.py --naive-batch 8     # the naive path at full size (~20 GB on CPU)
+    python -m benchmarks.logprob_memory                   # from the repo root: chunked at 8 x 2048, naive at 1 x 2048
+    python -m benchmarks.logprob_memory --naive-batch 8   # the naive path at full size (~20 GB on CPU)
 
 The naive path is measured at --naive-batch rows and scaled linearly to B (its memory is B x T x V floats
 per live tensor), so the comparison runs on a 24 GB machine.
 """
 
-import argparse
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, Optional
 
 import torch
+import tyro
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def peak_bytes(device: torch.device) -> int:
@@ -61,26 +63,30 @@ def measure(mode: str, batch: int, seq: int, vocab: int, hidden: int, device: to
     return (peak_bytes(device) - base) / 1e9
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--naive-batch", type=int, default=1, help="rows for the naive measurement (scaled to --batch)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--one", nargs=2, metavar=("MODE", "BATCH"), help=argparse.SUPPRESS)  # child process
-    args = parser.parse_args()
+@dataclass
+class Args:
+    batch: int = 8
+    seq: int = 2048
+    vocab: int = 151936
+    hidden: int = 64
+    naive_batch: int = 1
+    """rows for the naive measurement (scaled to --batch)"""
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    one: Optional[tuple[Literal["chunked", "naive"], int]] = None
+    """internal: MODE BATCH, one measurement, in the child process this script starts"""
+
+
+def main(args: Args) -> None:
     device = torch.device(args.device)
     if args.one:
-        gb = measure(args.one[0], int(args.one[1]), args.seq, args.vocab, args.hidden, device)
+        gb = measure(args.one[0], args.one[1], args.seq, args.vocab, args.hidden, device)
         print(json.dumps({"gb": gb}))
         return
 
     def child(mode: str, batch: int) -> float:
-        cmd = [sys.executable, __file__, "--one", mode, str(batch), "--seq", str(args.seq), "--vocab", str(args.vocab),
-               "--hidden", str(args.hidden), "--device", args.device]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        cmd = [sys.executable, "-m", "benchmarks.logprob_memory", "--one", mode, str(batch), "--seq", str(args.seq),
+               "--vocab", str(args.vocab), "--hidden", str(args.hidden), "--device", args.device]
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
         return json.loads(out.strip().splitlines()[-1])["gb"]
 
     logits_gb = args.batch * args.seq * args.vocab * 4 / 1e9
@@ -96,4 +102,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(tyro.cli(Args))

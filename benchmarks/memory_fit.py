@@ -2,8 +2,8 @@
 activation and KV-cache bytes, for DDP and --fsdp, with and without --gradient-checkpointing; and the
 same formula checked against measured peak memory of real training steps at tiny shapes on CPU.
 
-    python benchmarks/memory_fit.py            # the table in the README
-    python benchmarks/memory_fit.py --check    # formula vs measured peak RSS on CPU (a few minutes)
+    python -m benchmarks.memory_fit            # from the repo root: the table in docs/benchmarks.md
+    python -m benchmarks.memory_fit --check    # formula vs measured peak RSS on CPU (a few minutes)
 
 The formula (bytes per GPU; N parameters, w bytes per weight; W ranks; b sequences of s tokens per
 micro-batch; L layers, hidden H, MLP width I, vocabulary V):
@@ -21,10 +21,13 @@ Not counted: the CUDA context and allocator fragmentation (keep ~10% free), a re
 (ppo.py: the critic adds a second policy's static bytes).
 """
 
-import argparse
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import tyro
 
 GB = 1e9
 
@@ -127,7 +130,6 @@ def measure_one(layers: int, hidden: int, intermediate: int, batch: int, seq: in
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
     from common import get_logprobs, peak_rss_bytes
 
     torch.manual_seed(0)
@@ -162,8 +164,10 @@ def check() -> None:
     print("|---|---|---|---|---|---|---|")
     for layers, hidden, intermediate, batch, seq in TINY:
         for ckpt in (False, True):
-            out = subprocess.run([sys.executable, __file__, "--one", *map(str, (layers, hidden, intermediate, batch,
-                                  seq, int(ckpt)))], capture_output=True, text=True, check=True).stdout
+            sizes = map(str, (layers, hidden, intermediate, batch, seq, int(ckpt)))
+            out = subprocess.run([sys.executable, "-m", "benchmarks.memory_fit", "--one", *sizes],
+                                 cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True,
+                                 check=True).stdout
             measured, predicted, params = out.split()[-3:]
             ratio = float(predicted) / float(measured)
             print(f"| {layers} x {hidden} x {intermediate} | {batch} x {seq} | {'yes' if ckpt else 'no'} | "
@@ -171,17 +175,28 @@ def check() -> None:
                   flush=True)
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="formula vs measured peak memory on CPU")
-    parser.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch (table)")
-    parser.add_argument("--seq", type=int, default=1024, help="prompt + response tokens per sequence (table)")
-    parser.add_argument("--rollout", type=int, default=512, help="sequences sampled per step, all ranks (table)")
-    parser.add_argument("--one", nargs=6, type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+@dataclass
+class Args:
+    check: bool = False
+    """formula vs measured peak memory on CPU"""
+    micro_batch: int = 8
+    """sequences per micro-batch (table)"""
+    seq: int = 1024
+    """prompt + response tokens per sequence (table)"""
+    rollout: int = 512
+    """sequences sampled per step, all ranks (table)"""
+    one: Optional[tuple[int, int, int, int, int, int]] = None
+    """internal: LAYERS HIDDEN MLP BATCH SEQ CHECKPOINTING, one measurement, in the child process --check starts"""
+
+
+def main(args: Args) -> None:
     if args.one:
         measure_one(*args.one[:5], bool(args.one[5]))
     elif args.check:
         check()
     else:
         table(args.micro_batch, args.seq, args.rollout)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -5,10 +5,10 @@ Needs one GPU, the model and the dataset reachable (the Hugging Face Hub, or loc
 --model and --dataset) and `pip install datasets`. The run's metrics and checkpoints go to
 <output-dir>/<file>-<recipe>/, and a summary to <output-dir>/<file>-<recipe>.json.
 
-    python benchmarks/real_model.py                       # grpo.py, Qwen2.5-0.5B-Instruct, GSM8K train -> test
-    python benchmarks/real_model.py --file dapo.py
-    python benchmarks/real_model.py --recipe math         # Qwen2.5-Math-1.5B, MATH train -> MATH-500
-    python benchmarks/real_model.py --flags="--beta 0 --micro-batch-size 8"   # any flag of the file, given last
+    python -m benchmarks.real_model                       # grpo.py, Qwen2.5-0.5B-Instruct, GSM8K train -> test
+    python -m benchmarks.real_model --file dapo.py
+    python -m benchmarks.real_model --recipe math         # Qwen2.5-Math-1.5B, MATH train -> MATH-500
+    python -m benchmarks.real_model --flags="--beta 0 --micro-batch-size 8"   # any flag of the file, given last
 """
 
 import json

@@ -4,22 +4,27 @@ grpo.py's step time grows as the group size and the generation limit double; and
 installed (optional: pip install -r benchmarks/requirements.txt), grpo.py's step time over that of
 TRL's GRPOTrainer at the same configuration (benchmarks/trl_grpo.py), measured in the same run.
 
-    python benchmarks/step_time.py                 # every file, 12 steps each, then the scaling runs
-    python benchmarks/step_time.py --steps 30 --files grpo ppo --no-scaling --no-trl
+    python -m benchmarks.step_time                 # from the repo root: every file, 12 steps each, then scaling
+    python -m benchmarks.step_time --steps 30 --files grpo ppo --no-scaling --no-trl
+    python -m benchmarks.step_time --extra "--prompts-per-step 64"   # flags passed to every run
 
 Each configuration runs as its own process (`python <file>.py --eval-every 0 ...`); the figures are
 the means of the `perf/*` metrics over the steps after the first two (warm-up). Not a test: timings
 depend on the machine and on whatever else runs on it.
 """
 
-import argparse
 import importlib.util
 import json
+import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
+
+import tyro
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = ["grpo", "dapo", "cispo", "gvpo", "ppo"]
@@ -41,7 +46,7 @@ def compare_with_trl(grpo: dict[str, float], steps: int, extra: list[str]) -> No
     if importlib.util.find_spec("trl") is None:
         print("\nTRL comparison skipped: trl is not installed (pip install -r benchmarks/requirements.txt)")
         return
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "trl_grpo.py"), "--steps", str(steps), *extra]
+    cmd = [sys.executable, "-m", "benchmarks.trl_grpo", "--steps", str(steps), *extra]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
@@ -50,16 +55,23 @@ def compare_with_trl(grpo: dict[str, float], steps: int, extra: list[str]) -> No
           f"grpo.py {grpo['perf/step_s']:.3f} s; grpo.py / TRL = {grpo['perf/step_s'] / trl:.2f}", flush=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--files", nargs="+", default=FILES, choices=FILES)
-    parser.add_argument("--no-scaling", action="store_true", help="skip the group-size / generation-limit runs")
-    parser.add_argument("--no-trl", action="store_true", help="skip the comparison with TRL even if installed")
-    parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
-                        help="flags passed to every run (the TRL run takes --prompts-per-step, --group-size, "
-                             "--max-new-tokens, --updates-per-rollout, --learning-rate, --beta, --seed)")
-    args = parser.parse_args()
+@dataclass
+class Args:
+    steps: int = 12
+    """steps per run; the first two are left out of the means"""
+    files: tuple[Literal["grpo", "dapo", "cispo", "gvpo", "ppo"], ...] = tuple(FILES)
+    scaling: bool = True
+    """the group-size and generation-limit runs after the table"""
+    trl: bool = True
+    """the comparison with TRL, when trl is installed"""
+    extra: str = ""
+    """flags passed to every run, as one string after '=': --extra="--prompts-per-step 64" (the TRL run
+    takes --prompts-per-step, --group-size, --max-new-tokens, --updates-per-rollout, --learning-rate,
+    --beta, --seed)"""
+
+
+def main(args: Args) -> None:
+    extra = shlex.split(args.extra)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         print(f"offline default, {args.steps} steps each (mean of steps 2..{args.steps - 1})")
@@ -67,13 +79,13 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|")
         measured = {}
         for file in args.files:
-            m = measured[file] = run(file, args.steps, args.extra, out)
+            m = measured[file] = run(file, args.steps, extra, out)
             print(f"| {file}.py | {m['perf/step_s']:.3f} | {m['perf/gen_s']:.3f} | {m['perf/logprobs_s']:.3f} | "
                   f"{m['perf/update_s']:.3f} | {m['perf/tokens_per_s']:.0f} | {m['perf/peak_mem_gb']:.2f} |",
                   flush=True)
-        if not args.no_trl:
-            compare_with_trl(measured.get("grpo") or run("grpo", args.steps, args.extra, out), args.steps, args.extra)
-        if args.no_scaling:
+        if args.trl:
+            compare_with_trl(measured.get("grpo") or run("grpo", args.steps, extra, out), args.steps, extra)
+        if not args.scaling:
             return
         for flag, values in [("--group-size", [8, 16, 32]), ("--max-new-tokens", [8, 16, 32])]:
             print(f"\ngrpo.py, {flag} doubling (other flags default)")
@@ -81,7 +93,7 @@ def main() -> None:
             print("|---|---|---|---|---|---|")
             previous = None
             for value in values:
-                m = run("grpo", args.steps, [flag, str(value), *args.extra], out)
+                m = run("grpo", args.steps, [flag, str(value), *extra], out)
                 growth = f"{m['perf/step_s'] / previous:.2f}" if previous else "-"
                 previous = m["perf/step_s"]
                 print(f"| {value} | {m['perf/step_s']:.3f} | {growth} | {m['perf/gen_s']:.3f} | "
@@ -89,4 +101,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(tyro.cli(Args))

@@ -2,10 +2,10 @@
 it), for benchmarks/step_time.py's comparison. Needs `trl` (optional: pip install -r
 benchmarks/requirements.txt); run by step_time.py in its own process, or alone:
 
-    python benchmarks/trl_grpo.py --steps 12 [--prompts-per-step 32 --group-size 8 ...]
+    python -m benchmarks.trl_grpo --steps 12 [--prompts-per-step 32 --group-size 8 ...]   # from the repo root
 
 Matched to grpo.py's defaults: the same model folder and tokenizer, the same prompts (the built-in
-task, formatted by `common.format_prompt` with the chat template), the same reward (`common.score`),
+task, formatted by `data.format_prompt` with the chat template), the same reward (`rewards.score`),
 32 prompts x 8 completions per rollout, 8 new tokens at T=1 with no top-k/top-p, 2 updates per
 rollout (`num_iterations`) on the whole batch at once, learning rate 2e-4, clip 0.2, k3 KL beta 0.04
 to a reference model, std-normalised group advantages, per-sequence token-mean loss (`loss_type="grpo"`),
@@ -13,33 +13,36 @@ gradients clipped at 1.0, fp32 (`bf16=False`) and no gradient checkpointing (TRL
 default). Prints one JSON line: the mean seconds per rollout round after --warmup rounds.
 """
 
-import argparse
 import json
-import sys
 import tempfile
 import time
-from pathlib import Path
+from dataclasses import dataclass
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import tyro
 
-from common import DEFAULT_MODEL, builtin_splits, format_prompt, load_tokenizer, score  # noqa: E402
+from data import builtin_splits, format_prompt
+from models import DEFAULT_MODEL, load_tokenizer
+from rewards import score
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12, help="rollout rounds")
-    parser.add_argument("--warmup", type=int, default=2, help="rounds left out of the mean")
-    parser.add_argument("--prompts-per-step", type=int, default=32)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=8)
-    parser.add_argument("--updates-per-rollout", type=int, default=2)
-    parser.add_argument("--learning-rate", type=float, default=2e-4)
-    parser.add_argument("--beta", type=float, default=0.04)
-    parser.add_argument("--seed", type=int, default=1)
-    args = parser.parse_args()
+@dataclass
+class Args:
+    steps: int = 12
+    """rollout rounds"""
+    warmup: int = 2
+    """rounds left out of the mean"""
+    prompts_per_step: int = 32
+    group_size: int = 8
+    max_new_tokens: int = 8
+    updates_per_rollout: int = 2
+    learning_rate: float = 2e-4
+    beta: float = 0.04
+    seed: int = 1
+
+
+def main(args: Args) -> None:
     if args.steps <= args.warmup:
-        parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+        raise SystemExit(f"error: --steps {args.steps} must exceed --warmup {args.warmup}")
 
     import torch
     from datasets import Dataset
@@ -85,4 +88,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(tyro.cli(Args))

@@ -11,8 +11,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 
-def run(args: list[str], cwd: Path, torchrun: int = 0, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run a script of the repo (first arg) as a user would: `python x.py ...` or `torchrun ... x.py ...`."""
+def run(args: list[str], cwd: Path, torchrun: int = 0, timeout: int = 1800) -> subprocess.CompletedProcess:
+    """Run a script of the repo (first arg) as a user would: `python x.py ...` or `torchrun ... x.py ...`.
+    The timeout only stops a run that hangs: it is several times the longest run's time on a loaded machine."""
     script = str(ROOT / args[0]) if args[0].endswith(".py") else args[0]
     launcher = [sys.executable]
     if torchrun:
@@ -58,7 +59,9 @@ def mixed_dataset(tmp_path_factory) -> Path:
     import torch
     from pinned_run import pinned_generate
 
-    from common import DEFAULT_MODEL, correctness_reward, format_prompt, load_model, load_tokenizer
+    from data import format_prompt
+    from models import DEFAULT_MODEL, load_model, load_tokenizer
+    from rewards import correctness_reward
 
     tokenizer = load_tokenizer(DEFAULT_MODEL)
     model = load_model(DEFAULT_MODEL, "float32", torch.device("cpu"), tokenizer)

@@ -7,20 +7,22 @@ import pytest
 
 from conftest import ROOT, run
 
+pytestmark = pytest.mark.slow  # each benchmark run at a tiny shape: `-m 'not slow'` skips them
+
 
 def test_logprob_memory_benchmark_runs(tmp_path):
-    result = run(["benchmarks/logprob_memory.py", "--batch", "2", "--seq", "32", "--vocab", "1000", "--hidden", "16"],
-                 cwd=ROOT)
+    result = run(["-m", "benchmarks.logprob_memory", "--batch", "2", "--seq", "32", "--vocab", "1000",
+                  "--hidden", "16"], cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert "chunked get_logprobs, forward + backward:" in result.stdout
     assert "naive fp32 log-softmax, forward + backward:" in result.stdout
 
 
 def test_memory_fit_table_and_one_measurement_run(tmp_path):
-    result = run(["benchmarks/memory_fit.py"], cwd=ROOT)
+    result = run(["-m", "benchmarks.memory_fit"], cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert "| 7B | 7.61B |" in result.stdout and "141 GB cards" in result.stdout
-    result = run(["benchmarks/memory_fit.py", "--one", "1", "32", "64", "2", "16", "1"], cwd=ROOT)
+    result = run(["-m", "benchmarks.memory_fit", "--one", "1", "32", "64", "2", "16", "1"], cwd=ROOT)
     assert result.returncode == 0, result.stderr
     measured, predicted, params = result.stdout.split()[-3:]
     assert float(measured) > 0 and float(predicted) > 0 and int(params) > 0
@@ -41,8 +43,8 @@ def test_memory_formula_counts_parameters_like_the_model():
 
 
 def test_step_time_benchmark_runs():
-    result = run(["benchmarks/step_time.py", "--steps", "3", "--files", "grpo", "--no-scaling", "--extra",
-                  "--prompts-per-step", "4", "--group-size", "4"], cwd=ROOT)
+    result = run(["-m", "benchmarks.step_time", "--steps", "3", "--files", "grpo", "--no-scaling",
+                  "--extra=--prompts-per-step 4 --group-size 4"], cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[3].startswith("| grpo.py | ")
 
@@ -51,9 +53,9 @@ def test_learning_curves_write_csv_resume_and_summarize(tmp_path):
     """Two tiny runs of one file with different flags go to the CSV, each with its own rows; a second call
     skips them (nothing rerun), and the table is printed."""
     out = tmp_path / "curves.csv"
-    args = ["benchmarks/learning_curves.py", "--configs", "grpo", "grpo --beta 0", "--seeds", "1",
+    args = ["-m", "benchmarks.learning_curves", "--configs", "grpo", "grpo --beta 0", "--seeds", "1",
             "--steps", "2", "--eval-every", "1", "--out", str(out),
-            "--extra", "--eval-size", "8", "--prompts-per-step", "4", "--group-size", "4"]
+            "--extra=--eval-size 8 --prompts-per-step 4 --group-size 4"]
     result = run(args, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     from benchmarks.learning_curves import read_csv
@@ -89,7 +91,7 @@ def test_learning_curves_summary_counts_steps_to_target():
 
 
 def test_gpu_recipe_runs_at_a_tiny_shape_on_cpu(tmp_path):
-    result = run(["benchmarks/gpu_recipe.py", "--config", "tiny_model", "--device", "cpu", "--prompts", "2",
+    result = run(["-m", "benchmarks.gpu_recipe", "--config", "tiny_model", "--device", "cpu", "--prompts", "2",
                   "--group-size", "2", "--prompt-length", "8", "--new-tokens", "4", "--out", str(tmp_path / "r.json")],
                  cwd=ROOT)
     assert result.returncode == 0, result.stderr
@@ -124,8 +126,8 @@ def test_gpu_recipe_flop_count_matches_torch_flop_counter():
 def test_trl_comparison_runs_when_trl_is_installed():
     """Skipped without trl (an optional, benchmark-only dependency): pip install -r benchmarks/requirements.txt."""
     pytest.importorskip("trl")
-    result = run(["benchmarks/step_time.py", "--steps", "3", "--files", "grpo", "--no-scaling", "--extra",
-                  "--prompts-per-step", "4", "--group-size", "4"], cwd=ROOT)
+    result = run(["-m", "benchmarks.step_time", "--steps", "3", "--files", "grpo", "--no-scaling",
+                  "--extra=--prompts-per-step 4 --group-size 4"], cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert "grpo.py / TRL = " in result.stdout
 
@@ -139,7 +141,7 @@ def test_real_model_recipe_runs_at_a_tiny_shape(tmp_path):
             for a in range(20) for b in range(3)]
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:50]),
                           "test": datasets.Dataset.from_list(rows[50:])}).save_to_disk(str(tmp_path / "gsm"))
-    result = run(["benchmarks/real_model.py", "--model", "tiny_model", "--dataset", str(tmp_path / "gsm"),
+    result = run(["-m", "benchmarks.real_model", "--model", "tiny_model", "--dataset", str(tmp_path / "gsm"),
                   "--eval-split", "test", "--prompt-field", "question", "--max-new-tokens", "8", "--num-steps", "2",
                   "--output-dir", str(tmp_path), "--flags=--prompts-per-step 4 --group-size 4 --micro-batch-size 8 "
                   "--learning-rate 1e-4"], cwd=ROOT)
@@ -151,7 +153,7 @@ def test_real_model_recipe_runs_at_a_tiny_shape(tmp_path):
 
 
 def test_checkpoint_memory_benchmark_runs():
-    result = run(["benchmarks/checkpoint_memory.py", "--layers", "1", "--hidden", "64", "--intermediate", "128",
+    result = run(["-m", "benchmarks.checkpoint_memory", "--layers", "1", "--hidden", "64", "--intermediate", "128",
                   "--vocab", "256"], cwd=ROOT)
     assert result.returncode == 0, result.stderr
     rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| save")

@@ -30,7 +30,8 @@ def test_gradient_coefficient_is_the_clipped_weight_times_the_advantage():
 
 @pytest.mark.parametrize("advantage, ratio, coefficient", [(1.0, 1.3, 1.28), (-1.0, 0.7, -0.7), (1.0, 0.7, 0.7)])
 def test_worked_example_tokens_that_ppo_silences_keep_a_gradient(advantage, ratio, coefficient):
-    # Section 10.5: A = +1, r = 1.3 with w_max = 1.28 -> 1.28; A = -1, r = 0.7 with no floor -> -0.7.
+    # CISPO's gradient (MiniMax 2025, arXiv:2506.13585, Eqs. 4-5): sg(clip(r, 1 - eps_low, 1 + eps_high)) A grad log pi.
+    # eps_high 0.28: A = +1, r = 1.3 -> min(1.3, 1.28) A = 1.28; A = -1, r = 0.7, no floor -> 0.7 A = -0.7.
     # PPO/DAPO give both a zero gradient (tests/test_dapo.py).
     grad = coefficients(torch.tensor([ratio]), torch.tensor([advantage]), is_eps_high=0.28)
     assert -grad.item() == pytest.approx(coefficient, abs=1e-6)

@@ -6,23 +6,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from common import (
-    DEFAULT_MODEL,
-    builtin_splits,
-    call_reward_fn,
-    cat_rollouts,
-    final_answer,
-    format_prompt,
-    generate,
-    get_logprobs,
-    load_model,
-    load_reward_fn,
-    load_rows,
-    load_tokenizer,
-    prompt_batch,
-    score,
-    select_rows,
-)
+from common import UsageError, cat_rollouts, generate, get_logprobs, select_rows
+from data import builtin_splits, format_prompt, load_rows, prompt_batch
+from models import DEFAULT_MODEL, load_model, load_tokenizer
+from rewards import call_reward_fn, final_answer, load_reward_fn, score
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +76,7 @@ def test_load_rows_of_jsonl(tmp_path):
 def test_load_rows_errors_name_file_and_line(tmp_path, content, message):
     path = tmp_path / "d.jsonl"
     path.write_text(content)
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(UsageError, match=message):
         load_rows(str(path))
 
 
@@ -216,15 +203,16 @@ def test_user_reward_fn(tmp_path):
     fn = load_reward_fn(spec)
     rewards, parts = score(["p", "p"], ["1", "abc"], ["1", "1"], exact=True, reward_fn=fn, reward_fn_spec=spec)
     assert parts["user"].tolist() == [1, 3] and rewards.tolist() == [2, 3]
-    for name, message in [("broken", "raised KeyError: 'oops'"), ("short", "one float per completion \\(2\\)"),
-                          ("none", "got None"), ("nan", "NaN or inf"), ("text", "not a float")]:
+    for name, message in [("broken", "raised KeyError: 'oops'"),
+                          ("short", r"one finite float per completion \(2\), got \[1.0\]"),
+                          ("none", "got None"), ("nan", r"got \[nan, nan\]"), ("text", r"got \['a', 'a'\]")]:
         spec = f"{tmp_path / 'my_rewards.py'}:{name}"
-        with pytest.raises(SystemExit, match=message):
+        with pytest.raises(UsageError, match=message):
             call_reward_fn(load_reward_fn(spec), spec, ["p", "p"], ["1", "2"], ["1", "1"])
     for spec, message in [("no_such_module_xyz:f", "cannot import"), ("nocolon", "expected 'module:function'"),
                           (f"{tmp_path / 'my_rewards.py'}:missing", "no function"),
                           (f"{tmp_path / 'nofile.py'}:f", "cannot import")]:
-        with pytest.raises(SystemExit, match=message):
+        with pytest.raises(UsageError, match=message):
             load_reward_fn(spec)
 
 

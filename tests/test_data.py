@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from common import load_data
+from common import UsageError
 from conftest import read_metrics, run
+from data import load_data
 from test_runs import main_fails  # grpo.main stops with the message and writes nothing
 
 GSM8K_LIKE = [{"question": f"what is {a} plus {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
@@ -38,14 +39,14 @@ def test_jsonl_with_named_fields_and_gsm8k_answers(tmp_path):
 def test_jsonl_bad_rows_stop_naming_file_and_line(tmp_path, bad, message):
     """On main before the fix a null answer became the string 'None' and was trained on."""
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1", "answer": "2"}] * 2 + [bad])
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(UsageError, match=message):
         load_data(path, None, 1)
 
 
 def test_jsonl_that_is_not_utf8_names_the_line(tmp_path):
     not_utf8 = b'{"prompt": "\xff", "answer": "1"}\n'
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1", "answer": "2"}], raw=not_utf8)
-    with pytest.raises(SystemExit, match=r"d\.jsonl:2: not UTF-8"):
+    with pytest.raises(UsageError, match=r"d\.jsonl:2: not UTF-8"):
         load_data(path, None, 1)
 
 
@@ -81,9 +82,9 @@ def test_datasets_sources_and_splits(tmp_path):
         assert held_out[0]["prompt"] == "what is 30 plus 0?"
         _, held_out = load_data(str(parquet), str(source), 10, **fields)  # --eval-dataset: its 'test' split
         assert len(held_out) == 30
-    with pytest.raises(SystemExit, match=r"--dataset .*saved.*: no split 'validation'; it has \['train', 'test'\]"):
+    with pytest.raises(UsageError, match=r"--dataset .*saved.*: no split 'validation'; it has \['train', 'test'\]"):
         load_data(str(saved), None, 10, split="validation", **fields)
-    with pytest.raises(SystemExit, match=r"gsm\.parquet \[train\] row 0: missing field prompt"):
+    with pytest.raises(UsageError, match=r"gsm\.parquet \[train\] row 0: missing field prompt"):
         load_data(str(parquet), None, 10)
 
 
@@ -93,7 +94,7 @@ def test_a_null_answer_in_a_parquet_file_names_the_row(tmp_path):
     path = tmp_path / "d.parquet"
     rows = [{"prompt": "1+1", "answer": "2"}, {"prompt": "2+2", "answer": None}]
     datasets.Dataset.from_list(rows).to_parquet(str(path))
-    with pytest.raises(SystemExit, match=r"d\.parquet \[train\] row 1: field answer is null"):
+    with pytest.raises(UsageError, match=r"d\.parquet \[train\] row 1: field answer is null"):
         load_data(str(path), None, 1)
 
 
@@ -109,7 +110,7 @@ def test_without_datasets_the_message_names_the_pip_command(tmp_path, monkeypatc
 
     monkeypatch.setattr(builtins, "__import__", no_datasets)
     (tmp_path / "d.parquet").write_bytes(b"")
-    with pytest.raises(SystemExit, match=r"--dataset .*d\.parquet.* needs the datasets package: pip install datasets"):
+    with pytest.raises(UsageError, match=r"--dataset .*d\.parquet.* needs the datasets package: pip install datasets"):
         load_data(str(tmp_path / "d.parquet"), None, 1)
     assert load_data(write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "b"}] * 3), None, 1)  # JSONL: fine
 
@@ -135,7 +136,7 @@ def gpt2_with_positions(folder: Path, positions: int) -> str:
     model's tokenizer."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from common import DEFAULT_MODEL, load_tokenizer
+    from models import DEFAULT_MODEL, load_tokenizer
 
     tokenizer = load_tokenizer(DEFAULT_MODEL)
     config = GPT2Config(vocab_size=len(tokenizer), n_positions=positions, n_embd=32, n_layer=1, n_head=2,

@@ -1,60 +1,91 @@
-"""Every algorithm file keeps grpo.py's skeleton and shared lines: `diff grpo.py dapo.py` shows only
-the algorithm. The check runs on each file listed in conftest.ALGORITHMS."""
+"""Every algorithm file keeps grpo.py's skeleton and shared lines: `diff grpo.py dapo.py` shows only the
+algorithm. The check runs on each file listed in conftest.ALGORITHMS.
+
+What may differ between two files:
+- the module docstring, and the names imported (the import block, up to the "1. Config" banner);
+- the Algorithm group of Args (from its "# Algorithm" comment to "# Computed at runtime");
+- section 2, the algorithm's functions (from the "2. Algorithm" banner to the "3. Training" one);
+- inside `main`, the spans marked in the file itself, from a `# --- algorithm: <what> ---` line to the
+  next `# ---` line (and the blank lines after it). A change in one file must lie in a span of that
+  file and, where it replaces or removes grpo.py's lines, in a span of grpo.py: every other line of
+  every file is grpo.py's.
+"""
 
 import difflib
+import re
 
 import pytest
 
 from conftest import ALGORITHMS, ROOT
 
-# Regions of grpo.py that another algorithm may change, as (first line, line that ends the region).
-# Everything else (imports, the experiment / model / rollout / optimization flags, start-up checks,
-# data, the evaluation, logging and checkpoint steps, the end of the run) must be byte-identical.
-ALGORITHM_REGIONS = [
-    ('"""GRPO:', "import time"),  # the docstring
-    ("from torch.nn.parallel import", "from common import ("),  # a third-party import of its own
-    ("from common import (", ")"),  # the names imported from common.py
-    ("    # Algorithm", "    # Computed at runtime"),  # the Algorithm block of Args
-    ("# 2. Algorithm", "# 3. Training"),  # the pure functions
-    ("    if args.group_size < 2:", "    if args.fsdp and args.world_size < 2:"),  # its own start-up checks
-    ("    # Same seed on every rank while loading", "    for step in range(start_step, args.num_steps):"),  # models
-    ("        # 1. sample prompts", "        # 7. log, evaluate, checkpoint"),  # sampling to the update
+SECTIONS = [  # (first line, line that ends the section) of the parts a file may write its own way
+    (r'"""', r"import "),  # the module docstring
+    (r"import |from ", r"# 1\. Config"),  # the imports
+    (r"    # Algorithm$", r"    # Computed at runtime$"),  # the Algorithm group of Args
+    (r"# 2\. Algorithm$", r"# 3\. Training$"),  # the algorithm's functions
 ]
+OPEN, CLOSE = re.compile(r"\s*# --- algorithm: \S"), re.compile(r"\s*# ---$")
 
 
-def regions(lines: list[str]) -> list[tuple[int, int]]:
-    spans = []
-    for first, end in ALGORITHM_REGIONS:
-        start = next(i for i, line in enumerate(lines) if line.startswith(first))
-        stop = next(i for i in range(start + 1, len(lines)) if lines[i].startswith(end))
-        spans.append((start, stop))
-    return spans
+def free_lines(lines: list[str]) -> set[int]:
+    """Indices of the lines a file may write its own way: its sections and its marked spans, marks included."""
+    free = set()
+    for first, end in SECTIONS:
+        start = next(i for i, line in enumerate(lines) if re.match(first, line))
+        stop = next(i for i in range(start + 1, len(lines)) if re.match(end, lines[i]))
+        free.update(range(start, stop))
+    opened = None
+    for i, line in enumerate(lines):
+        if OPEN.match(line):
+            assert opened is None, f"line {i + 1}: a span opens inside the span of line {opened + 1}"
+            opened = i
+        elif CLOSE.match(line):
+            assert opened is not None, f"line {i + 1}: '# ---' closes no span"
+            end = i + 1
+            while end < len(lines) and not lines[end].strip():  # and the blank lines after it
+                end += 1
+            free.update(range(opened, end))
+            opened = None
+    assert opened is None, f"line {opened + 1}: the span is never closed"
+    return free
 
 
-def changes_outside_regions(base: list[str], other: list[str]) -> list[str]:
-    spans = regions(base)
+def changes_outside_spans(base: list[str], other: list[str]) -> list[str]:
+    """Each change from grpo.py's lines to the other file's that is not inside a span (or section) of both."""
+    base_free, other_free = free_lines(base), free_lines(other)
     outside = []
     for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, base, other, autojunk=False).get_opcodes():
-        if tag == "equal":
-            continue
-        inside = any(start <= i1 and i2 <= stop for start, stop in spans)
-        if not inside:
+        if tag != "equal" and not (set(range(i1, i2)) <= base_free and set(range(j1, j2)) <= other_free):
             outside.append(f"grpo.py:{i1 + 1}-{i2} -> {''.join(other[j1:j2]) or '(deleted)'}")
     return outside
 
 
+def read(name: str) -> list[str]:
+    return (ROOT / name).read_text().splitlines(keepends=True)
+
+
 @pytest.mark.parametrize("algo", [a for a in ALGORITHMS if a != "grpo"])
 def test_shared_lines_are_identical_to_grpo(algo):
-    base = (ROOT / "grpo.py").read_text().splitlines(keepends=True)
-    other = (ROOT / f"{algo}.py").read_text().splitlines(keepends=True)
-    assert changes_outside_regions(base, other) == []
+    assert changes_outside_spans(read("grpo.py"), read(f"{algo}.py")) == []
+
+
+def test_most_of_grpo_is_shared():
+    """The spans are the exception: most of grpo.py's lines are checked."""
+    base = read("grpo.py")
+    assert len(free_lines(base)) / len(base) < 0.5
 
 
 def test_the_check_catches_a_changed_shared_line():
-    base = (ROOT / "grpo.py").read_text().splitlines(keepends=True)
+    base = read("grpo.py")
     changed = [line.replace("trained, tokenizer, rank", "policy, tokenizer, rank") for line in base]  # step 7
-    assert len(changes_outside_regions(base, changed)) == 2  # the periodic and the final save
-    at = base.index("import time\n") + 1
-    inserted = base[:at] + ["import os\n"] + base[at:]  # among the shared imports
-    assert len(changes_outside_regions(base, inserted)) == 1
-    assert changes_outside_regions(base, base) == []
+    assert len(changes_outside_spans(base, changed)) == 2  # the periodic and the final save
+    at = base.index("    for step in range(start_step, args.num_steps):\n")
+    inserted = base[:at] + ["    print0('hello')\n"] + base[at:]  # a line of its own, not marked
+    assert len(changes_outside_spans(base, inserted)) == 1
+    marked = base[:at] + ["    # --- algorithm: a greeting ---\n", "    print0('hello')\n", "    # ---\n"] + base[at:]
+    assert changes_outside_spans(base, marked) == []  # the same line, marked as the algorithm's
+    span = next(i for i, line in enumerate(base) if line.strip() == "# --- algorithm: the GRPO loss ---")
+    removed_mark = base[:span] + base[span + 1:]  # the loss call left in place, its opening mark removed
+    with pytest.raises(AssertionError, match="closes no span"):
+        changes_outside_spans(base, removed_mark)
+    assert changes_outside_spans(base, base) == []

@@ -1,4 +1,5 @@
-"""grpo.py's algorithm functions against hand-worked numbers (ALGORITHMS.md section 10) and autograd."""
+"""grpo.py's algorithm functions against hand-worked numbers, each derived in its test from the paper's
+equation, and against autograd."""
 
 import math
 
@@ -13,7 +14,9 @@ def loss_of(logprobs, old, ref, adv, mask, n=None, **kw):
 
 
 def test_group_advantage_worked_example():
-    # Section 10.1: rewards [1,0,0,1], unbiased std 0.57735 -> +-0.86603 (verl eps 1e-6: +-0.86602).
+    # GRPO's outcome advantage (Shao et al. 2024, arXiv:2402.03300, section 4.1.2): A_i = (r_i - mean r) / std r.
+    # Rewards [1, 0, 0, 1]: mean 0.5, unbiased std sqrt(1/3) = 0.57735, A = +-0.5 / 0.57735 = +-0.86603;
+    # with eps 1e-6 added to the std (verl's): +-0.86602; with eps 1e-4: +-0.86588.
     adv = compute_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), group_size=4, std_eps=0.0)
     torch.testing.assert_close(adv, torch.tensor([1, -1, -1, 1]) * 0.866025, atol=1e-6, rtol=0)
     adv = compute_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), group_size=4, std_eps=1e-6)
@@ -31,7 +34,8 @@ def test_advantages_are_per_group_and_zero_for_equal_groups():
 
 
 def test_k3_worked_example():
-    # Section 10.2: log pi = -1.0, log pi_ref = -1.2 -> k3 = e^-0.2 + 0.2 - 1 = 0.0187308.
+    # GRPO's KL estimator (arXiv:2402.03300, Eq. 4): k3 = pi_ref/pi - log(pi_ref/pi) - 1.
+    # log pi = -1.0, log pi_ref = -1.2: k3 = e^-0.2 - (-0.2) - 1 = 0.8187308 + 0.2 - 1 = 0.0187308.
     lp, ref = torch.tensor([[-1.0]]), torch.tensor([[-1.2]])
     _, m = loss_of(lp, lp, ref, torch.zeros(1), torch.ones(1, 1), beta=0.04)
     assert m["loss/kl"] == pytest.approx(0.0187308, abs=1e-7)
@@ -52,9 +56,10 @@ def test_ratio_one_reduces_to_minus_mean_advantage():
 @pytest.mark.parametrize(
     "advantage, ratio, has_grad, objective",
     [
-        (+1.0, 1.3, False, 1.2),  # section 10.5: clipped at 1 + eps, no gradient
+        # PPO's clipped objective (Schulman et al. 2017, arXiv:1707.06347, Eq. 7), eps 0.2: min(r A, clip(r) A).
+        (+1.0, 1.3, False, 1.2),  # min(1.3, 1.2) = 1.2: the clipped term, no gradient
         (+1.0, 0.7, True, 0.7),  # below the trust region with A > 0: min picks the unclipped term
-        (-1.0, 0.7, False, -0.8),  # section 10.5: clipped at 1 - eps, no gradient
+        (-1.0, 0.7, False, -0.8),  # min(-0.7, -0.8) = -0.8: the clipped term, no gradient
         (-1.0, 1.3, True, -1.3),  # A < 0 and r > 1 + eps: pessimistic term, gradient flows
     ],
 )

@@ -1,4 +1,4 @@
-"""gvpo.py: the group MSE against the worked numbers of ALGORITHMS.md section 10.6, autograd, group
+"""gvpo.py: the group MSE against hand-worked numbers (derived in the test from the paper's loss), autograd, group
 integrity, and the replay of past groups (the learning tests, on-policy and with --reuse-steps 1,
 are in test_runs.py)."""
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import gvpo
+from common import UsageError
 from conftest import read_metrics, record_batch_sizes
 
 B_REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0])
@@ -28,10 +29,14 @@ def test_centred_rewards_are_not_divided_by_the_std():
 
 
 def test_worked_example():
-    # Section 10.6: on-policy (a = 0) the loss is 1/2 sum b^2 / (k-1) = 0.166667.
+    # GVPO's loss (Zhang et al. 2025, arXiv:2504.19599; the authors' verl recipe), per group of k:
+    # 1/(k-1) sum_i 1/2 (beta (a_i - mean a) - b_i)^2, b = R - mean R. Rewards [1, 0, 0, 1], k 4, beta 0.1:
+    # b = [0.5, -0.5, -0.5, 0.5]. On-policy (a = 0) the loss is 1/3 * 1/2 * 4 * 0.25 = 0.166667.
     loss, grad = loss_at(torch.zeros(4))
     assert loss == pytest.approx(0.166667, abs=1e-6)
-    # a = [0.2, -0.1, 0, 0.1]: e = [-0.485, 0.485, 0.495, -0.495], loss = 0.160083, w = -e.
+    # a = [0.2, -0.1, 0, 0.1]: mean a 0.05, beta (a - mean a) = [0.015, -0.015, -0.005, 0.005],
+    # e = that - b = [-0.485, 0.485, 0.495, -0.495], loss = 1/3 * 1/2 * (2 * 0.485^2 + 2 * 0.495^2) = 0.160083;
+    # the weights of the policy gradient are w = -e.
     a = torch.tensor([0.2, -0.1, 0.0, 0.1])
     loss, grad = loss_at(a)
     assert loss == pytest.approx(0.160083, abs=1e-6)
@@ -85,7 +90,7 @@ def test_sequence_sums_and_groups_add_up_over_micro_batches():
 def test_a_batch_split_that_would_cut_a_group_is_rejected(tmp_path, overrides, message):
     args = {"num_steps": 1, "prompts_per_step": 4, "group_size": 4, "eval_every": 0, "output_dir": str(tmp_path),
             **overrides}
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(UsageError, match=message):
         gvpo.main(gvpo.Args(**args))
     assert not list(tmp_path.iterdir())
 

@@ -1,16 +1,21 @@
-"""ppo.py: GAE against ALGORITHMS.md section 10.3, whitening, the clipped value loss, the per-token
-reward (KL penalty, score placement, EOS trick), the adaptive KL coefficient, and a reward-model run
-(the shared equivalence, learning and shared-lines tests are in test_runs.py and test_files.py)."""
+"""ppo.py: GAE against hand-worked numbers (derived in the test from the GAE paper), whitening, the
+clipped value loss, the per-token reward (KL penalty, score placement, EOS trick), the adaptive KL
+coefficient, and a reward-model run (the shared equivalence, learning and shared-lines tests are in
+test_runs.py and test_files.py)."""
 
 import pytest
 import torch
 
 import ppo
+from common import UsageError
 from conftest import read_metrics
 
 
 def test_gae_worked_example():
-    # Section 10.3: gamma 1, lambda 0.95, rewards [0, 0, 1], values [0.5, 0.6, 0.7].
+    # GAE (Schulman et al. 2016, arXiv:1506.02438, Eq. 16): A_t = delta_t + gamma lam A_{t+1},
+    # delta_t = r_t + gamma V(t+1) - V(t), V after the last token 0. gamma 1, lambda 0.95, rewards [0, 0, 1],
+    # values [0.5, 0.6, 0.7]: delta = [0.1, 0.1, 0.3]; A_2 = 0.3, A_1 = 0.1 + 0.95 * 0.3 = 0.385,
+    # A_0 = 0.1 + 0.95 * 0.385 = 0.46575; returns A + V = [0.96575, 0.985, 1.0].
     rewards, values, mask = torch.tensor([[0.0, 0, 1]]), torch.tensor([[0.5, 0.6, 0.7]]), torch.ones(1, 3)
     advantages, returns = ppo.compute_advantages(rewards, values, mask, gamma=1.0, lam=0.95)
     torch.testing.assert_close(advantages, torch.tensor([[0.46575, 0.385, 0.3]]))
@@ -130,7 +135,8 @@ def test_adaptive_kl_coefficient_moves_toward_the_target():
 
 
 def test_policy_loss_clips_and_is_a_global_token_mean():
-    # Section 10.5: A = +1, r = 1.3 -> clipped at 1.2, zero gradient; A = -1, r = 0.7 -> clipped at 0.8.
+    # PPO's clipped objective (arXiv:1707.06347, Eq. 7), eps 0.2: A = +1, r = 1.3 -> min(1.3, 1.2), the clipped
+    # term, zero gradient; A = -1, r = 0.7 -> min(-0.7, -0.8) = -0.8, clipped at 0.8, zero gradient.
     logprobs = torch.log(torch.tensor([[1.3, 0.7]])).requires_grad_()
     zeros, ones = torch.zeros(1, 2), torch.ones(1, 2)
     loss, metrics = ppo.compute_loss(logprobs, zeros, torch.tensor([[1.0, -1.0]]), zeros, zeros, zeros, ones,
@@ -144,7 +150,7 @@ def test_critic_values_are_read_from_the_hidden_state_before_each_response_token
     """Values of the response tokens of a left-padded batch equal those of each row run alone, unpadded."""
     from transformers import AutoModel
 
-    from common import DEFAULT_MODEL, load_tokenizer
+    from models import DEFAULT_MODEL, load_tokenizer
 
     torch.manual_seed(0)
     tokenizer = load_tokenizer(DEFAULT_MODEL)
@@ -169,7 +175,7 @@ def test_adaptive_kl_run_and_bad_target(tmp_path):
     for step in range(2):  # each step's KL sets the next step's coefficient (8 completions per step)
         assert beta[step + 1] == pytest.approx(ppo.update_kl_coef(beta[step], kl[step], 1e-4, 8), rel=1e-6)
     assert beta[1] < beta[0]  # KL 0 is below target
-    with pytest.raises(SystemExit, match="--target-kl -1.0: must be positive"):
+    with pytest.raises(UsageError, match="--target-kl -1.0: must be positive"):
         ppo.main(ppo.Args(num_steps=1, target_kl=-1.0, output_dir=str(tmp_path), run_name="bad"))
     assert not (tmp_path / "bad").exists()
 
@@ -179,7 +185,7 @@ def reward_model_folder(tmp_path_factory):
     """A random tiny sequence-classification reward model that shares the default model's tokenizer."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from common import DEFAULT_MODEL, load_tokenizer
+    from models import DEFAULT_MODEL, load_tokenizer
 
     folder = tmp_path_factory.mktemp("rm") / "rm"
     torch.manual_seed(0)
@@ -195,7 +201,8 @@ def test_reward_model_scores_are_the_rewards(tmp_path, monkeypatch, reward_model
     the reward model's backbone."""
     from transformers import AutoModelForSequenceClassification
 
-    from common import format_prompt, load_tokenizer
+    from data import format_prompt
+    from models import load_tokenizer
 
     seen, real = [], ppo.compute_rewards
 
@@ -220,7 +227,7 @@ def test_reward_model_scores_are_the_rewards(tmp_path, monkeypatch, reward_model
 
     rm = AutoModelForSequenceClassification.from_pretrained(reward_model_folder).eval()
     tokenizer = load_tokenizer(reward_model_folder)
-    from common import builtin_splits, prompt_batch
+    from data import builtin_splits, prompt_batch
 
     train_set, _ = builtin_splits()
     for step, ((scores, truncated), completions) in enumerate(zip(seen, texts)):
@@ -247,6 +254,6 @@ def test_a_critic_that_does_not_share_the_tokenizer_is_rejected(tmp_path):
     LlamaForCausalLM(LlamaConfig(vocab_size=3, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
                                  num_attention_heads=1)).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    with pytest.raises(SystemExit, match="--critic-model .*its tokenizer differs from --model's"):
+    with pytest.raises(UsageError, match="--critic-model .*its tokenizer differs from --model's"):
         ppo.main(ppo.Args(num_steps=1, critic_model=str(folder), output_dir=str(tmp_path), run_name="bad"))
     assert not (tmp_path / "bad").exists()

@@ -16,9 +16,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import common
 import grpo
+import models
+import runs
+from common import UsageError
 from conftest import ALGORITHMS, ROOT, read_metrics, run
+
+pytestmark = pytest.mark.slow  # kill-and-resume runs in subprocesses: `-m 'not slow'` skips them
 
 # Each file's own resumable state is exercised: DAPO's draw counter, GVPO's replayed groups, PPO's
 # critic and adaptive beta.
@@ -105,7 +109,7 @@ def test_resume_on_another_number_of_ranks_is_refused(tmp_path):
 def test_bad_resume_stops_before_any_work(tmp_path, resume, message):
     args = grpo.Args(num_steps=1, prompts_per_step=4, group_size=4, eval_every=0, output_dir=str(tmp_path / "runs"),
                      run_name="bad", resume=resume)
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(UsageError, match=message):
         grpo.main(args)
     assert not (tmp_path / "runs").exists()
 
@@ -116,7 +120,7 @@ def test_a_new_run_never_appends_to_another_runs_folder(tmp_path):
                      run_name="same")
     grpo.main(args)
     metrics = (tmp_path / "same" / "metrics.jsonl").read_text()
-    with pytest.raises(SystemExit, match="--run-name same: .* already holds a run. Continue it with --resume latest"):
+    with pytest.raises(UsageError, match="--run-name same: .* already holds a run. Continue it with --resume latest"):
         grpo.main(args)
     assert (tmp_path / "same" / "metrics.jsonl").read_text() == metrics
 
@@ -165,7 +169,7 @@ def test_a_planted_pickle_in_a_checkpoint_is_refused_without_running(tmp_path, p
     target.parent.mkdir(exist_ok=True)
     target.write_bytes(pickle.dumps(Payload(marker), protocol=2))  # torch.save's protocol
     refused = r"--resume .*step_2: cannot restore it: it holds pickled data other than tensors and plain data "
-    with pytest.raises(SystemExit, match=refused + r"\(posix.system\). Refused without running it"):
+    with pytest.raises(UsageError, match=refused + r"\(posix.system\). Refused without running it"):
         grpo.main(small_run(tmp_path, "victim", num_steps=4, resume="latest"))
     assert not marker.exists()
 
@@ -177,8 +181,8 @@ def test_two_runs_started_together_with_one_name(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = [subprocess.Popen([sys.executable, str(ROOT / args[0]), *args[1:]], cwd=tmp_path, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    results = [(proc.wait(timeout=300), proc.stderr.read()) for proc in procs]
-    assert sorted(code for code, _ in results) == [0, 1], results
+    results = [(proc.wait(timeout=1800), proc.stderr.read()) for proc in procs]
+    assert sorted(code for code, _ in results) == [0, 2], results  # 2: a usage error, one line
     loser = next(err for code, err in results if code)
     assert "in use by another run" in loser or "already holds a run" in loser, loser
     assert [m["step"] for m in read_metrics(tmp_path / "same")] == [0, 1, 2]
@@ -195,7 +199,7 @@ def test_resuming_an_earlier_checkpoint_sets_the_abandoned_branch_aside(tmp_path
     assert {p.name for p in aside.iterdir()} == {"step_4", "step_6", "final", "metrics.jsonl"}
     assert [json.loads(line) for line in (aside / "metrics.jsonl").read_text().splitlines()] == before[2:]
     assert [m["step"] for m in read_metrics(tmp_path / "run")] == [0, 1, 2]
-    assert common.latest_checkpoint(tmp_path / "run") == tmp_path / "run" / "step_2"
+    assert runs.latest_checkpoint(tmp_path / "run") == tmp_path / "run" / "step_2"
 
 
 def test_resume_never_deletes_what_it_did_not_write(tmp_path):
@@ -225,14 +229,14 @@ def test_a_checkpoint_of_another_algorithm_or_model_is_refused(tmp_path, capsys)
 
     dapo.main(dapo.Args(num_steps=2, prompts_per_step=4, group_size=4, eval_every=0, save_every=2,
                         output_dir=str(tmp_path), run_name="d"))
-    with pytest.raises(SystemExit, match="written by dapo.py, resumed by grpo.py. Resume it with dapo.py"):
+    with pytest.raises(UsageError, match="written by dapo.py, resumed by grpo.py. Resume it with dapo.py"):
         grpo.main(small_run(tmp_path, "g", num_steps=4, resume=str(tmp_path / "d" / "step_2")))
 
     grpo.main(small_run(tmp_path, "g", num_steps=2))
     same_shape = tmp_path / "other_model"
-    shutil.copytree(common.DEFAULT_MODEL, same_shape)
-    with pytest.raises(SystemExit, match=f"trained from --model {common.DEFAULT_MODEL}, resumed with --model "
-                                         f"{same_shape}. Resume with --model {common.DEFAULT_MODEL}"):
+    shutil.copytree(models.DEFAULT_MODEL, same_shape)
+    with pytest.raises(UsageError, match=f"trained from --model {models.DEFAULT_MODEL}, resumed with --model "
+                                         f"{same_shape}. Resume with --model {models.DEFAULT_MODEL}"):
         grpo.main(small_run(tmp_path, "g", num_steps=4, resume="latest", model=str(same_shape)))
     assert not (tmp_path / "g" / "abandoned_after_step_2").exists()  # refused before anything moved
 
@@ -282,7 +286,7 @@ def fail_second_weights_write(monkeypatch):
 
 def test_a_failed_write_names_the_path_and_leaves_the_previous_checkpoint_resumable(tmp_path, monkeypatch):
     fail_second_weights_write(monkeypatch)
-    with pytest.raises(SystemExit, match=r"could not write the checkpoint .*step_4 \(No space left on device: "
+    with pytest.raises(UsageError, match=r"could not write the checkpoint .*step_4 \(No space left on device: "
                                          r".*step_4.tmp/model.safetensors\). Removed step_4.tmp; the last "
                                          r"complete checkpoint, .*step_2, is untouched"):
         grpo.main(small_run(tmp_path, "full"))
@@ -296,6 +300,7 @@ def test_a_failed_write_names_the_path_and_leaves_the_previous_checkpoint_resuma
 # Rank 1 finds the disk full when it writes its own state into the step-4 checkpoint.
 RANK_1_DISK_FULL = """
 import errno, os, torch
+
 real, calls = torch.save, []
 def save(obj, f, *args, **kwargs):
     if os.environ.get("RANK") == "1" and str(f).endswith("rank_1.pt"):
@@ -315,11 +320,11 @@ def test_a_write_error_on_one_rank_stops_every_rank(tmp_path):
             "--save-every", "2", "--fsdp", "--output-dir", str(tmp_path), "--run-name", "full"]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     result = subprocess.run([*launcher, str(ROOT / args[0]), *args[1:]], cwd=tmp_path, capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}"}, timeout=300)
+                            env={**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}"}, timeout=1800)
     assert result.returncode != 0
     assert "step_4 (rank 1: No space left on device: " in result.stderr and "Removed step_4.tmp" in result.stderr
     assert sorted(p.name for p in (tmp_path / "full").glob("step_*")) == ["step_2"]
-    assert common.latest_checkpoint(tmp_path / "full") == tmp_path / "full" / "step_2"
+    assert runs.latest_checkpoint(tmp_path / "full") == tmp_path / "full" / "step_2"
 
 
 def test_keep_checkpoints_prunes_the_older_ones(tmp_path):

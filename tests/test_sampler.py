@@ -11,16 +11,10 @@ import shutil
 import pytest
 import torch
 
-from common import (
-    DEFAULT_MODEL,
-    format_prompt,
-    generate,
-    get_logprobs,
-    load_model,
-    load_tokenizer,
-    sampler_logprob_gap,
-)
+from common import UsageError, generate, get_logprobs, sampler_logprob_gap
 from conftest import ALGORITHMS, read_metrics, run
+from data import format_prompt
+from models import DEFAULT_MODEL, load_model, load_tokenizer
 
 PROMPTS = ("1+2", "45+67", "99+9", "3+30")
 CPU = torch.device("cpu")
@@ -148,7 +142,7 @@ def test_an_unknown_logit_transform_stops_at_load(tmp_path, monkeypatch):
 
     monkeypatch.setattr(transformers.Qwen3ForCausalLM, "forward", doubled)
     tokenizer = load_tokenizer(DEFAULT_MODEL)
-    with pytest.raises(SystemExit, match=r"--model .*its forward changes the LM head's logits"):
+    with pytest.raises(UsageError, match=r"--model .*its forward changes the LM head's logits"):
         load_model(DEFAULT_MODEL, "float32", CPU, tokenizer)
 
 
@@ -211,6 +205,7 @@ def test_gap_metric_is_a_mean_and_a_max_over_response_tokens():
 
 
 @pytest.mark.parametrize("algo", ALGORITHMS)
+@pytest.mark.slow
 def test_every_file_logs_the_sampler_gap(tmp_path, algo):
     result = run([f"{algo}.py", "--num-steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--eval-every",
                   "0", "--output-dir", str(tmp_path), "--run-name", "gap"], cwd=tmp_path)

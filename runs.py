@@ -1,0 +1,577 @@
+"""A run's folder: where a run writes (and no other run may), its metrics log, and its checkpoints:
+written atomically, each rank its own shards, and read back unpickling nothing beyond tensors and plain
+data."""
+
+import datetime
+import fcntl
+import functools
+import json
+import math
+import os
+import pickle
+import random
+import re
+import shlex
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule
+
+from common import Rollout, UsageError, print0, unwrap
+from models import transformers_quiet
+
+CHECKPOINT_INFO = "checkpoint.json"  # in every checkpoint folder: the file, step, ranks and flags that wrote it
+TRAINING_STATE = "training_state"  # the resumable state: a torch.distributed.checkpoint folder of shards
+RUN_LOCK = ".run.lock"  # in every run folder; held (fcntl) by the process that writes into the folder
+_HELD_LOCKS: dict[str, int] = {}  # run folder -> open lock file: kept open for the life of the process
+NOT_COMPARED = ("resume", "run_name", "output_dir")  # flags that differ between a run and its resumption
+
+
+class Logger:
+    """One line per step on stdout, every metric as JSON lines in `<run_dir>/metrics.jsonl` (a NaN or
+    infinite value is written as null, so that every line is valid JSON), TensorBoard when installed,
+    Weights & Biases with `--track`. A no-op on ranks other than 0."""
+
+    SHOWN = ("reward/mean", "eval/accuracy", "eval/accuracy_greedy", "loss/policy", "policy/clipfrac", "perf/step_s")
+
+    def __init__(self, run_dir: Path, config: dict, rank: int, track: bool = False, num_steps: int | None = None):
+        self.enabled, self.num_steps, self.start, self.first_step = rank == 0, num_steps, time.perf_counter(), None
+        self.wandb = self.tensorboard = None
+        if not self.enabled:
+            return
+        if track:
+            try:
+                import wandb
+            except ImportError:
+                raise UsageError("--track needs wandb: pip install wandb") from None
+            self.wandb = wandb.init(name=run_dir.name, config=config)
+        (run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        self.file = open(run_dir / "metrics.jsonl", "a")  # a resumed run appends (prepare_run_dir cut it back)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(run_dir))
+        except ImportError:
+            pass
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in metrics.items()}
+        self.file.write(json.dumps({"step": step, **finite}, allow_nan=False) + "\n")  # NaN/inf: null
+        self.file.flush()
+        shown = " | ".join(f"{k} {metrics[k]:.4g}" for k in self.SHOWN if k in metrics)
+        print(f"step {step:>4}{self._progress(step, shown)}", flush=True)
+        if self.tensorboard:
+            for key, value in metrics.items():
+                self.tensorboard.add_scalar(key, value, step)
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
+
+    def _progress(self, step: int, shown: str) -> str:
+        """'/<num_steps> | <shown> | h:mm:ss elapsed, ETA h:mm:ss', from the mean time of the steps this process ran."""
+        if self.num_steps is None:
+            return f" | {shown}"
+        self.first_step = step if self.first_step is None else self.first_step
+        elapsed, done, left = time.perf_counter() - self.start, step + 1 - self.first_step, self.num_steps - step - 1
+        eta = f", ETA {datetime.timedelta(seconds=round(elapsed / done * left))}" if left > 0 else ""
+        return f"/{self.num_steps} | {shown} | {datetime.timedelta(seconds=round(elapsed))} elapsed{eta}"
+
+    def close(self) -> None:
+        if self.enabled:
+            self.file.close()
+            if self.tensorboard:
+                self.tensorboard.close()
+            if self.wandb:
+                self.wandb.finish()
+
+
+def prepare_run_dir(run_info: dict, rank: int) -> tuple[Path, Path | None]:
+    """(the run's folder, the checkpoint to resume from or None), the same on every rank; nothing is
+    written yet (`claim_run_dir` does, once the models are loaded).
+
+    run_info: {"algorithm": the file's name, "config": asdict(args)}. A run writes to
+    <output-dir>/<run-name>, with one exception: `--resume <run>/step_N` without `--run-name` goes on in
+    <run>, the run that wrote the checkpoint (when <run> is a run folder: a checkpoint copied elsewhere
+    starts a new run folder under --output-dir). A checkpoint of another algorithm file, model or number
+    of ranks stops here; other changed flags are printed."""
+    return _decided_on_rank_0(_find_run_dir, rank, run_info)
+
+
+def claim_run_dir(run_dir: Path, checkpoint: Path | None, rank: int) -> None:
+    """Take run_dir for this process, before it writes anything there. A new folder is created with its
+    lock already held (an atomic rename) and an existing one is locked (fcntl, released by the OS when
+    the process ends, even killed), so a second run with the same name stops here. A new run takes only
+    a folder with no logged step and no checkpoint (a start that failed before step 0 is taken over). A
+    resumed run moves what its checkpoint's branch no longer leads to (later checkpoints, `final/`, later
+    metrics) aside into <run>/abandoned_after_step_N/, so `--resume latest` and metrics.jsonl follow the
+    live run; branching into another folder, that folder starts with the checkpoint's run's earlier
+    metrics. Nothing is deleted."""
+    _decided_on_rank_0(_claim_run_dir, rank, run_dir, checkpoint)
+    sys.excepthook = functools.partial(_explain_interrupt, sys.excepthook, run_dir, rank)
+
+
+def _explain_interrupt(excepthook, run_dir: Path, rank: int, kind, value, traceback) -> None:
+    """Ctrl-C: instead of a traceback (of every rank), one line from rank 0 on how to go on."""
+    if not issubclass(kind, KeyboardInterrupt):
+        return excepthook(kind, value, traceback)
+    if rank == 0:
+        print(f"\nstopped (Ctrl-C). {resume_hint(run_dir)}", file=sys.stderr, flush=True)
+
+
+def resume_hint(run_dir: Path) -> str:
+    """Where the run can go on from, and the command that does it (this process's own flags)."""
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        return f"No checkpoint was written (see --save-every): the run cannot be resumed. Its metrics are in {run_dir}."
+    argv, kept = sys.argv[1:], []
+    replaced = ("--resume", "--run-name", "--output-dir", "--run_name", "--output_dir")
+    for i, arg in enumerate(argv):
+        if arg in replaced or arg.startswith(tuple(f"{flag}=" for flag in replaced)) or \
+                (i > 0 and argv[i - 1] in replaced):
+            continue
+        kept.append(arg)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    launcher = ["python"] if world_size == 1 else ["torchrun", f"--nproc_per_node={world_size}"]
+    command = shlex.join([*launcher, sys.argv[0], *kept, "--output-dir", str(run_dir.parent), "--run-name",
+                          run_dir.name, "--resume", "latest"])
+    return f"Last checkpoint: {checkpoint}. Go on from it with: {command}"
+
+
+def _decided_on_rank_0(fn, rank: int, *args):
+    """fn(*args) on rank 0, its result (or its usage error, raised) on every rank."""
+    result, error = None, None
+    if rank == 0:
+        try:
+            result = fn(*args)
+        except UsageError as stop:
+            error = str(stop)
+    if dist.is_initialized():
+        box = [(result, error)]
+        dist.broadcast_object_list(box, src=0)
+        result, error = box[0]
+    if error:
+        raise UsageError(error)
+    return result
+
+
+def _find_run_dir(run_info: dict) -> tuple[Path, Path | None]:
+    config = run_info["config"]
+    resume, run_name = config["resume"], config["run_name"]
+    default_name = f"{Path(run_info['algorithm']).stem}__{config['seed']}__{int(time.time())}"
+    default_dir = Path(config["output_dir"]) / default_name
+    checkpoint = None
+    if resume == "latest":
+        if run_name is None:
+            raise UsageError("--resume latest continues the run named by --run-name: pass it.")
+        run_dir = Path(config["output_dir"]) / run_name
+        checkpoint = latest_checkpoint(run_dir)
+        if checkpoint is None:
+            raise UsageError(f"--resume latest: no checkpoint under {run_dir}. Pass the --run-name of the run to "
+                             "continue (its checkpoints are written every --save-every steps), or a checkpoint folder.")
+    elif resume:
+        checkpoint = Path(resume)
+        if not _checkpoint_info(checkpoint).get("resumable"):
+            raise UsageError(f"--resume {resume}: not a resumable checkpoint (no {CHECKPOINT_INFO} of a step "
+                             f"checkpoint). Pass a <run>/step_N folder written by --save-every, or 'latest' with "
+                             "--run-name.")
+        if run_name is not None:
+            run_dir = Path(config["output_dir"]) / run_name
+        elif _is_run_dir(checkpoint.parent):
+            run_dir = checkpoint.parent
+        else:  # a checkpoint copied out of its run: never write among files this project did not write
+            run_dir = default_dir
+    else:
+        run_dir = Path(config["output_dir"]) / run_name if run_name else default_dir
+    if checkpoint is not None:
+        _check_same_run(checkpoint, run_info)
+    if not _continues(run_dir, checkpoint) and run_dir.exists() and _holds_a_run(run_dir):
+        raise _taken(run_dir)
+    return run_dir, checkpoint
+
+
+def _taken(run_dir: Path) -> UsageError:
+    return UsageError(f"--run-name {run_dir.name}: {run_dir} already holds a run. Continue it with --resume latest, "
+                      "or choose another --run-name or --output-dir.")
+
+
+def _continues(run_dir: Path, checkpoint: Path | None) -> bool:
+    return checkpoint is not None and checkpoint.parent.resolve() == run_dir.resolve()
+
+
+def _claim_run_dir(run_dir: Path, checkpoint: Path | None) -> None:
+    _lock(run_dir)
+    if _continues(run_dir, checkpoint):
+        _set_aside_after(run_dir, _checkpoint_info(checkpoint)["step"])
+        return
+    if _holds_a_run(run_dir):  # checked again under the lock: another run may have taken it since start-up
+        raise _taken(run_dir)
+    if checkpoint is not None:
+        step, lines = _checkpoint_info(checkpoint)["step"], _metrics_lines(checkpoint.parent)
+        (run_dir / "metrics.jsonl").write_text("".join(line for line in lines if _step_of(line) < step))
+
+
+def _lock(run_dir: Path) -> None:
+    """Hold run_dir's lock for the rest of this process (released by the OS when it ends, even killed)."""
+    key = str(run_dir.resolve())
+    if key in _HELD_LOCKS:
+        return
+    try:
+        if not run_dir.exists():  # create it with the lock already held: there is no moment it is unclaimed
+            run_dir.parent.mkdir(parents=True, exist_ok=True)
+            claim = run_dir.with_name(f".{run_dir.name}.claim-{os.getpid()}")
+            claim.mkdir()
+            fd = os.open(claim / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:
+                claim.rename(run_dir)
+                _HELD_LOCKS[key] = fd
+                return
+            except OSError:  # another run created it first: that run's lock decides below
+                os.close(fd)
+                shutil.rmtree(claim)
+        fd = os.open(run_dir / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as error:
+        raise UsageError(f"--output-dir {run_dir.parent}: cannot create the run folder {run_dir}: "
+                         f"{error.strerror or error}. Choose a writable --output-dir.") from None
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (BlockingIOError, PermissionError):
+        os.close(fd)
+        raise UsageError(f"--run-name {run_dir.name}: {run_dir} is in use by another run that is still going "
+                         "(it holds the folder's lock). Wait for it to end, or choose another --run-name.") from None
+    except OSError as error:  # e.g. a file system without locks
+        os.close(fd)
+        raise UsageError(f"--output-dir {run_dir.parent}: cannot lock {run_dir / RUN_LOCK} ({error.strerror}), so two "
+                         "runs could write into one folder. Use an --output-dir on a file system with locks.") from None
+    _HELD_LOCKS[key] = fd
+
+
+def _is_run_dir(path: Path) -> bool:
+    return (path / RUN_LOCK).exists() or (path / "metrics.jsonl").exists()
+
+
+def _step_of(line: str) -> int:
+    return json.loads(line)["step"] if line.endswith("\n") else math.inf  # a line cut by a crash is dropped
+
+
+def _holds_a_run(run_dir: Path) -> bool:
+    """True when a new run must not take run_dir: it has a logged step or a checkpoint, or it holds files
+    of its own (it is not a run folder)."""
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists() and metrics.read_text().strip():
+        return True
+    ours = {RUN_LOCK, "metrics.jsonl", "config.json"}
+    return any(p.name not in ours and not p.name.startswith("events.out.tfevents") for p in run_dir.iterdir())
+
+
+def _checkpoint_info(path: Path) -> dict:
+    try:
+        info = json.loads((Path(path) / CHECKPOINT_INFO).read_text())
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The resumable checkpoint of the highest step in run_dir (never a half-written `step_N.tmp`)."""
+    found = [p for p in _step_folders(run_dir) if _checkpoint_info(p).get("resumable")]
+    return found[-1] if found else None
+
+
+def _step_folders(run_dir: Path) -> list[Path]:
+    """run_dir's step_N folders (never step_N.tmp), by step."""
+    found = [p for p in Path(run_dir).glob("step_*") if re.fullmatch(r"step_\d+", p.name)]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def _metrics_lines(run_dir: Path) -> list[str]:
+    metrics = run_dir / "metrics.jsonl"
+    return metrics.read_text().splitlines(keepends=True) if metrics.exists() else []
+
+
+def _check_same_run(checkpoint: Path, run_info: dict) -> None:
+    """Stop when the checkpoint was written by another algorithm file, model or number of ranks; print the
+    other flags that changed."""
+    saved, config = _checkpoint_info(checkpoint), run_info["config"]
+    if saved["algorithm"] != run_info["algorithm"]:
+        raise UsageError(f"--resume {checkpoint}: written by {saved['algorithm']}, resumed by {run_info['algorithm']}. "
+                         f"Resume it with {saved['algorithm']}, or start {run_info['algorithm']} from its weights "
+                         f"with --model {checkpoint}.")
+    if saved["config"]["model"] != config["model"]:
+        raise UsageError(f"--resume {checkpoint}: trained from --model {saved['config']['model']}, resumed with "
+                         f"--model {config['model']}. Resume with --model {saved['config']['model']}.")
+    if saved["world_size"] != config["world_size"]:
+        raise UsageError(f"--resume {checkpoint}: written by {saved['world_size']} rank(s), resumed on "
+                         f"{config['world_size']}. Resume with --nproc_per_node={saved['world_size']} (each rank's "
+                         f"sampling stream and algorithm state are its own), or start a new run from its weights "
+                         f"with --model {checkpoint}.")
+    changed = [f"--{key.replace('_', '-')} {saved['config'][key]} -> {value}" for key, value in config.items()
+               if key not in NOT_COMPARED and key in saved["config"] and saved["config"][key] != value]
+    if changed:
+        print(f"--resume {checkpoint}: flags changed since the checkpoint: {', '.join(changed)}", flush=True)
+
+
+def _set_aside_after(run_dir: Path, step: int) -> None:
+    """Move the checkpoints after `step`, `final/` and the metrics lines from `step` on, which the
+    resumed run will write anew, into run_dir/abandoned_after_step_<step>[.k]/."""
+    later = [p for p in _step_folders(run_dir) if int(p.name[5:]) > step]
+    later += [run_dir / "final"] if (run_dir / "final").exists() else []
+    lines = _metrics_lines(run_dir)
+    dropped = [line for line in lines if _step_of(line) >= step]
+    if not later and not dropped:
+        return
+    aside = _unused(run_dir / f"abandoned_after_step_{step}")
+    aside.mkdir()
+    for path in later:
+        path.rename(aside / path.name)
+    (aside / "metrics.jsonl").write_text("".join(dropped))
+    (run_dir / "metrics.jsonl").write_text("".join(line for line in lines if _step_of(line) < step))
+    print(f"resuming from step {step}: what the run wrote after it is kept in {aside}", flush=True)
+
+
+def _training_state(modules: dict[str, torch.nn.Module], optimizer) -> dict:
+    """The resumable state as DCP reads and writes it: model and optimizer state dicts whose tensors are
+    this rank's own (FSDP: its shards, as DTensors; DDP and one process: the full tensors)."""
+    model = torch.nn.ModuleDict(modules)  # names the tensors "policy.<...>", "critic.<...>"
+    return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+
+
+def save_checkpoint(path: Path, modules: dict[str, torch.nn.Module], tokenizer, rank: int, run_info: dict,
+                    optimizer=None, step: int = 0, extra: dict | None = None, keep: int = 0) -> None:
+    """Write a checkpoint folder; call on every rank. It holds:
+
+    - the policy (modules["policy"]) and tokenizer in `save_pretrained` format, so it loads anywhere
+      with `from_pretrained`; under FSDP the weights are gathered to rank 0's CPU memory for this;
+    - checkpoint.json: the algorithm file, the step, the number of ranks and every flag (run_info);
+    - with an optimizer, the resumable state (`load_checkpoint`): the weights of every module and the
+      optimizer state in training_state/, written with torch.distributed.checkpoint (each rank writes only
+      its own shards: no rank ever holds the full optimizer state), and rank_<r>.pt with each rank's
+      RNG states (torch, CUDA, Python) and its algorithm state `extra`.
+
+    Everything is written into `<path>.tmp`, fsync'd, and renamed to `path` only when every rank has
+    written its part, so a crash never leaves a partial folder under `path`. A failed write (disk full,
+    no permission) removes the .tmp folder and stops with the path and the cause; earlier checkpoints
+    are untouched. A folder already at `path` is moved aside, never deleted. With `keep` > 0, only the
+    newest `keep` step checkpoints are kept after the save."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    policy, distributed = modules["policy"], dist.is_initialized()
+    error = None
+    if rank == 0:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)  # a .tmp folder is always this project's, left by a crash
+            tmp.mkdir(parents=True)
+        except OSError as exc:
+            error = exc
+    _stop_if_any_failed(error, path, tmp, rank)  # the folder exists before any rank writes into it
+    try:
+        if optimizer is not None:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.save(_training_state(modules, optimizer), storage_writer=dcp.FileSystemWriter(tmp / TRAINING_STATE),
+                         no_dist=not distributed)
+            cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+            rng = {"rng": torch.get_rng_state(), "cuda_rng": cuda_rng, "python_rng": random.getstate()}
+            torch.save({**rng, "extra": extra or {}}, tmp / f"rank_{rank}.pt")
+    except (Exception, dcp.CheckpointException) as exc:  # reported with its path below, on every rank
+        error = exc
+    weights = None
+    if isinstance(unwrap(policy), FSDPModule):  # collective: every rank takes part, rank 0 receives the weights
+        weights = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0 and error is None:
+        try:
+            with transformers_quiet():
+                unwrap(policy).save_pretrained(tmp, state_dict=weights)
+            tokenizer.save_pretrained(tmp)
+            info = {"algorithm": run_info["algorithm"], "step": step, "resumable": optimizer is not None,
+                    "world_size": dist.get_world_size() if distributed else 1, "config": run_info["config"]}
+            (tmp / CHECKPOINT_INFO).write_text(json.dumps(info, indent=2, default=str))
+            _fsync_tree(tmp)
+        except Exception as exc:
+            error = exc
+    del weights
+    _stop_if_any_failed(error, path, tmp, rank)  # every rank has written its part
+    if rank == 0:
+        try:
+            if path.exists():
+                _move_aside(path)
+            tmp.rename(path)
+            _fsync(path.parent)
+        except OSError as exc:
+            error = exc
+    _stop_if_any_failed(error, path, tmp, rank)
+    if rank == 0 and keep > 0:
+        steps = [p for p in _step_folders(path.parent) if _checkpoint_info(p)]
+        for old in steps[:-keep]:
+            try:
+                shutil.rmtree(old)
+            except OSError as error:  # rank 0 alone: a warning, never a stop that would leave the others waiting
+                print(f"warning: --keep-checkpoints {keep}: could not remove {old} ({error.strerror})", flush=True)
+
+
+def _stop_if_any_failed(error: BaseException | None, path: Path, tmp: Path, rank: int) -> None:
+    """Collective: when a rank's write failed, every rank stops with the path and each failed rank's
+    cause, and rank 0 removes the partial .tmp folder; earlier checkpoints are left as they are."""
+    errors = [None if error is None else _write_error(error)]
+    if dist.is_initialized():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, None if error is None else _write_error(error))
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if not failed:
+        return
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    where = "; ".join(f"rank {r}: {e}" for r, e in failed) if dist.is_initialized() else failed[0][1]
+    previous = latest_checkpoint(path.parent) if path.parent.exists() else None
+    kept = f"the last complete checkpoint, {previous}, is untouched" if previous else "there is no earlier checkpoint"
+    raise UsageError(f"could not write the checkpoint {path} ({where}). Removed {tmp.name}; {kept}.")
+
+
+def _write_error(error: Exception) -> str:
+    """The cause of a failed write in one line: the OS error and file when there is one, anywhere in the chain."""
+    seen = _first_failure(error)
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return f"{seen.strerror}: {seen.filename}" if seen.filename else seen.strerror
+        seen = seen.__cause__ or seen.__context__
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[-1] if text else ''}"
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Flush every file and folder under `folder` to disk, so the rename that publishes it is durable."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            _fsync(Path(root) / name)
+        _fsync(Path(root))
+
+
+def _unused(path: Path) -> Path:
+    """`path`, or the first of `path.2`, `path.3`, ... that does not exist yet."""
+    k = 1
+    while (found := path if k == 1 else path.with_name(f"{path.name}.{k}")).exists():
+        k += 1
+    return found
+
+
+def _move_aside(path: Path) -> None:
+    aside = _unused(path.with_name(f"{path.name}.old"))
+    path.rename(aside)
+    print0(f"moved the earlier {path} aside to {aside}")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Reads DCP's `.metadata` (a pickle) allowing only the plain classes it is made of: a planted
+    payload that names any other callable (os.system, eval, ...) is refused before it can run."""
+
+    ALLOWED = {
+        ("torch.distributed.checkpoint.metadata", name) for name in
+        ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+         "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")
+    } | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+         ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+         ("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in self.ALLOWED or dtype:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata")
+
+
+class _SafeReader(dcp.FileSystemReader):
+    def read_metadata(self, *args, **kwargs):
+        with open(self._get_metadata_path(kwargs.get("rank")), "rb") as file:
+            metadata = _MetadataUnpickler(file).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeLoadPlanner(dcp.DefaultLoadPlanner):
+    def load_bytes(self, read_item, value) -> None:  # non-tensor values (optimizer hyper-parameters): plain data only
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def load_checkpoint(path: Path, modules: dict[str, torch.nn.Module], optimizer, rank: int) -> tuple[int, dict]:
+    """Restore what `save_checkpoint` wrote: every module's weights and the optimizer state in place (each
+    rank reads only its own shards), and this rank's RNG state. Returns (the step to continue from,
+    this rank's algorithm state).
+
+    Nothing in the folder is unpickled beyond tensors and plain data: DCP's metadata through an
+    allow-list, everything else with `torch.load(weights_only=True)`.
+
+    The number of ranks must be the one that saved (`prepare_run_dir` checks it). DCP itself could
+    reshard the weights and optimizer state to another count, but each rank's sampling stream and
+    algorithm state (GVPO's replayed groups are its own completions) have no counterpart on another
+    count, and a resumed run is meant to be the run that stopped, bitwise. To go on with other hardware,
+    start a new run from the step's weights (`--model <run>/step_N`)."""
+    state = _training_state(modules, optimizer)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=_SafeReader(path / TRAINING_STATE), planner=_SafeLoadPlanner(),
+                     no_dist=not dist.is_initialized())
+        model = torch.nn.ModuleDict(modules)
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        with torch.serialization.safe_globals([Rollout]):  # GVPO's replayed groups
+            own = torch.load(path / f"rank_{rank}.pt", weights_only=True)
+    except (Exception, dcp.CheckpointException) as error:  # a refused pickle, a shape that does not fit, ...
+        raise UsageError(f"--resume {path}: cannot restore it: {_load_error(error)}") from None
+    torch.set_rng_state(own["rng"])
+    random.setstate(own["python_rng"])  # unused by these files, kept for code you add
+    if own["cuda_rng"] is not None:
+        torch.cuda.set_rng_state(own["cuda_rng"])
+    return _checkpoint_info(path)["step"], own["extra"]
+
+
+def _first_failure(error: BaseException) -> BaseException:
+    """The exception inside a CheckpointException (DCP gathers each rank's failure, with its traceback)."""
+    if isinstance(error, dcp.CheckpointException) and error.failures:
+        return next(iter(error.failures.values()))[0]
+    return error
+
+
+def _load_error(error: BaseException) -> str:
+    """One line for a failed restore. A refused pickle is named as such, in our words: torch's own text
+    suggests `weights_only=False`, which would run it."""
+    error = _first_failure(error)
+    text = " ".join(str(error).split())
+    if isinstance(error, pickle.UnpicklingError) or "is not allowed in a checkpoint" in text:
+        found = re.search(r"GLOBAL ([\w.]+)|([\w.]+) is not allowed|WeightsUnpickler error: ([^.]*)", text)
+        what = next((g for g in found.groups() if g), "") if found else ""
+        return (f"it holds pickled data other than tensors and plain data ({what}). Refused without running "
+                "it: do not resume from a folder you do not trust.")
+    return text if len(text) < 400 else text[:400] + " ..."
+
+
