@@ -211,7 +211,8 @@ def rollout_metrics(rewards: torch.Tensor, components: dict[str, torch.Tensor], 
             "response/length_mean": lengths.mean(), "response/truncated_frac": rollout.truncated.float().mean()}
 
 
-def perf_metrics(times: dict[str, float], step_start: float, rollout, device: torch.device) -> dict[str, float]:
+def perf_metrics(times: dict[str, float], step_start: float, rollout, device: torch.device
+                 ) -> dict[str, float | torch.Tensor]:
     """perf/step_s (since `step_start`), perf/<name>_s for each timed section, perf/tokens_per_s (this rank's
     response tokens: all_reduce_mean's average times the ranks is the whole step's) and perf/peak_mem_gb."""
     step_s = time.perf_counter() - step_start
@@ -454,17 +455,16 @@ def rollout_logprobs(model, rollout: Rollout, temperature: float, micro_batch_si
 
 
 def sampler_logprob_gap(sampler_logprobs: torch.Tensor, logprobs: torch.Tensor, response_mask: torch.Tensor
-                        ) -> dict[str, float]:
+                        ) -> dict[str, torch.Tensor]:
     """How far the trainer's log-probs (B, L) of the sampled tokens are from the sampler's (B, L), over the
-    response tokens of every rank: `policy/sampler_logprob_gap` (mean |difference|) and `_max`. Both are
-    ~1e-6 when the two compute the same distribution in fp32; a large value means the completions were
-    not drawn from the distribution that the loss assumes."""
+    response tokens of every rank: `policy/sampler_logprob_gap` (mean |difference|) and `_max`, as tensors
+    (already the same on every rank). Both are ~1e-6 when the two compute the same distribution in fp32;
+    a large value means the completions were not drawn from the distribution that the loss assumes."""
     mask = response_mask.bool()
     difference = torch.where(mask, (sampler_logprobs - logprobs).abs(), 0.0).double()  # (B, L)
     total = all_reduce_sum(torch.stack([difference.sum(), mask.sum().double()]))
     largest = all_reduce_max(difference.max() if difference.numel() else difference.new_zeros(()))
-    return {"policy/sampler_logprob_gap": (total[0] / total[1].clamp(min=1)).item(),
-            "policy/sampler_logprob_gap_max": largest.item()}
+    return {"policy/sampler_logprob_gap": total[0] / total[1].clamp(min=1), "policy/sampler_logprob_gap_max": largest}
 
 
 

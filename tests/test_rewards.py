@@ -104,7 +104,7 @@ def test_a_completion_that_cannot_be_graded_in_time_scores_zero_and_grading_goes
     assert grade("$1$", r"\boxed{1}")  # the child is up
     start = time.perf_counter()
     assert not grade("$1$", r"\boxed{9^{9^{9}}}")
-    assert time.perf_counter() - start < 3.0 and grade.timeouts == 1
+    assert time.perf_counter() - start < 4.0 and grade.timeouts == 1  # the 1 s deadline, with slack for load
     assert grade("$1$", r"\boxed{1}") and grade.timeouts == 1
 
 
