@@ -1,12 +1,16 @@
-"""common.py: tokenizer, data, generation, log-probs and rewards."""
+"""The plumbing (common.py, models.py, data.py, rewards.py): tokenizer, data, generation, log-probs and rewards."""
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
 from common import UsageError, cat_rollouts, generate, get_logprobs, select_rows
+from conftest import ROOT
 from data import builtin_splits, format_prompt, load_rows, prompt_batch
 from models import DEFAULT_MODEL, load_model, load_tokenizer
 from rewards import call_reward_fn, final_answer, load_reward_fn, score
@@ -215,6 +219,29 @@ def test_user_reward_fn(tmp_path):
         with pytest.raises(UsageError, match=message):
             load_reward_fn(spec)
 
+
+
+def test_a_reward_module_is_imported_from_the_working_directory_and_sys_path_is_left_as_it_was(tmp_path, monkeypatch):
+    (tmp_path / "cwd_rewards.py").write_text("def one(prompts, completions, answers):\n"
+                                             "    return [1.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    before = list(sys.path)
+    fn = load_reward_fn("cwd_rewards:one", [{"prompt": "1+1", "answer": "2"}])
+    assert fn(["p"], ["c"], ["a"]) == [1.0] and sys.path == before
+    # A user's rewards.py in the working directory would be shadowed by this project's module: named, not run.
+    (tmp_path / "rewards.py").write_text("def mine(prompts, completions, answers):\n    return [0.0]\n")
+    with pytest.raises(UsageError, match="'rewards' is a module of this project; pass your file as path/to/rewards.py"):
+        load_reward_fn("rewards:mine")
+    assert load_reward_fn(f"{tmp_path / 'rewards.py'}:mine")(["p"], ["c"], ["a"]) == [0.0]
+
+
+def test_importing_the_plumbing_changes_nothing_outside_it():
+    """No import-time side effects: transformers' progress bars and sys.path are as they were."""
+    child = ("import sys, transformers; path = list(sys.path); import common, models, data, rewards, runs; "
+             "print(transformers.utils.logging.is_progress_bar_enabled(), sys.path == path)")
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.stdout.split() == ["True", "True"], out.stderr
 
 def test_cat_and_select_rollouts_keep_rows_and_logprobs(model, tokenizer):
     torch.manual_seed(0)
