@@ -2,10 +2,10 @@
 log-probs. Nothing here appears in an algorithm's equations: advantages, ratios, clipping, KL and loss
 aggregation live in each algorithm file. The rest of the plumbing: models.py (loading and sharding),
 data.py (datasets and prompts), rewards.py (rewards and evaluation), runs.py (the run folder: metrics
-log and checkpoints).
-"""
+log and checkpoints)."""
 
 import contextlib
+import dataclasses
 import datetime
 import functools
 import math
@@ -16,10 +16,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import tyro
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
@@ -28,8 +30,7 @@ from transformers import GenerationConfig, LogitsProcessor
 
 class UsageError(ValueError):
     """Bad input (a flag, a file, a dataset row), with a message that names it and the fix. Each algorithm
-    file's `__main__` prints it as one line and exits with status 2, as for a malformed flag; code that
-    imports these functions catches it as a ValueError."""
+    file's `__main__` prints it as one line and exits with status 2, as for a malformed flag."""
 
 
 # (flag, valid, what it must be, why): the flags every algorithm file shares, checked by `check_flags`.
@@ -54,6 +55,19 @@ FLAG_RULES = [
     ("format_weight", lambda v: math.isfinite(v), "finite", ""),
     ("dist_timeout", lambda v: 0 < v < math.inf, "> 0", "minutes"),
 ]
+
+
+def cli(args_class, args: list[str] | None = None):
+    """tyro.cli for an Args made of flag groups (its dataclass bases): `--help` shows each group under its
+    name ("Model & data options"), and the flags and Args stay flat (--seed, args.seed)."""
+    groups = [c for c in reversed(args_class.__mro__[1:]) if dataclasses.is_dataclass(c)]  # ExperimentFlags first
+    titles = [re.sub(r"(?<=[a-z])(?=[A-Z])", " ", group.__name__.removesuffix("Flags")).capitalize()
+              .replace(" and ", " & ") for group in groups]  # ModelAndDataFlags -> "Model & data"
+    grouped = dataclasses.make_dataclass(args_class.__name__, [
+        (group.__name__, Annotated[group, tyro.conf.arg(name=title)], dataclasses.field(default_factory=group))
+        for group, title in zip(groups, titles)])
+    parsed = vars(tyro.cli(grouped, args=args, config=(tyro.conf.OmitArgPrefixes,)))
+    return args_class(**{key: value for group in parsed.values() for key, value in vars(group).items()})
 
 
 def require(valid: bool, flag: str, value, must: str) -> None:

@@ -52,6 +52,7 @@ from common import (
     cat_rollouts,
     check_flags,
     cleanup_distributed,
+    cli,
     exact_div,
     generate,
     get_logprobs,
@@ -78,12 +79,11 @@ from runs import Logger, claim_run_dir, load_checkpoint, prepare_run_dir, resume
 
 
 @dataclass
-class Args:
-    # Experiment
+class ExperimentFlags:
     seed: int = 1
     """seed of the data order, the sampling and evaluation"""
     run_name: Optional[str] = None
-    """metrics and checkpoints go to <output-dir>/<run-name> ; left out: <file>__<seed>__<unix time>"""
+    """metrics and checkpoints go to <output-dir>/<run-name>; left out: <file>__<seed>__<unix time>"""
     output_dir: str = "runs"
     """folder of all runs"""
     track: bool = False
@@ -98,7 +98,9 @@ class Args:
     """continue from a checkpoint folder <run>/step_N (in <run>, or in --run-name's folder when given), or
     'latest' for the newest checkpoint of --run-name's run"""
 
-    # Model & data
+
+@dataclass
+class ModelAndDataFlags:
     model: str = DEFAULT_MODEL
     """Hugging Face model name or local folder"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -127,7 +129,9 @@ class Args:
     reward_fn: Optional[str] = None
     """extra reward 'module:function' or 'file.py:function', called as fn(prompts, completions, answers)"""
 
-    # Rollout
+
+@dataclass
+class RolloutFlags:
     num_steps: int = 200
     """training steps; each samples one rollout and takes updates-per-rollout x num-minibatches optimizer steps"""
     prompts_per_step: int = 32
@@ -142,7 +146,9 @@ class Args:
     temperature: float = 1.0
     """sampling temperature; log-probs divide the logits by it too"""
 
-    # Optimization
+
+@dataclass
+class OptimizationFlags:
     learning_rate: float = 2e-4
     """tuned for the tiny default model; 1e-6 is the paper's value for 7B models"""
     updates_per_rollout: int = 2
@@ -163,12 +169,19 @@ class Args:
     weight_decay: float = 0.0
     """AdamW weight decay"""
 
-    # Algorithm
+
+@dataclass
+class AlgorithmFlags:
     beta: float = 0.1
     """KL strength toward the anchor; implicit reward beta * (log pi_theta - log pi_theta') (official code: 0.1)"""
     reuse_steps: int = 0
     """also train on the groups sampled in the previous K steps (0: on-policy only); pair it with
     --updates-per-rollout 1, so that each group is trained in as many passes as on-policy (docs/gvpo.md)"""
+
+
+@dataclass
+class Args(AlgorithmFlags, OptimizationFlags, RolloutFlags, ModelAndDataFlags, ExperimentFlags):
+    """Every flag, flat (args.seed, args.beta, ...); `--help` shows them in the groups above."""
 
     # Computed at runtime
     world_size: tyro.conf.Suppress[int] = 1
@@ -371,7 +384,7 @@ def main(args: Args) -> None:
 
 if __name__ == "__main__":
     try:
-        main(tyro.cli(Args))
+        main(cli(Args))
     except UsageError as error:  # bad input: one line naming the flag or file and the fix, no traceback
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -14,10 +14,9 @@ import zlib
 from pathlib import Path
 
 import torch
-import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the algorithm files and common.py
-from common import cat_rollouts, cleanup_distributed  # noqa: E402
+from common import cat_rollouts, cleanup_distributed, cli  # noqa: E402
 from common import generate as real_generate  # noqa: E402
 
 
@@ -32,5 +31,5 @@ def pinned_generate(model, tokenizer, prompts, group_size, max_new_tokens, tempe
 if __name__ == "__main__":
     module = importlib.import_module(sys.argv[1])
     module.generate = pinned_generate
-    module.main(tyro.cli(module.Args, args=sys.argv[2:]))
+    module.main(cli(module.Args, args=sys.argv[2:]))
     cleanup_distributed()

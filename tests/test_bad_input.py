@@ -14,13 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
-import tyro
 
 import data
 import grpo
 import models
 import runs
-from common import UsageError
+from common import UsageError, cli
 from conftest import ROOT, read_metrics, run
 
 # (input, grpo.py's arguments, or another file's after its name, the start of the message). Each stops
@@ -96,7 +95,7 @@ def test_bad_input_stops_at_start_up_with_one_line(tmp_path, what, argv, message
     if "--output-dir" not in argv:
         argv += ["--output-dir", str(tmp_path / "runs")]
     with pytest.raises(UsageError) as stop:
-        module.main(tyro.cli(module.Args, args=argv))
+        module.main(cli(module.Args, args=argv))
     assert "\n" not in str(stop.value)  # one line
     assert message in str(stop.value)
     assert not (tmp_path / "runs").exists() and not (tmp_path / "read_only" / "runs").exists()  # nothing written
@@ -114,12 +113,12 @@ def test_resume_into_weights_of_other_shapes_stops(tmp_path):
     model = tmp_path / "model"
     shutil.copytree(models.DEFAULT_MODEL, model)
     args = small(tmp_path, "--model", str(model), "--run-name", "r", "--save-every", "2")
-    grpo.main(tyro.cli(grpo.Args, args=small(tmp_path, "--model", str(model), "--run-name", "r", "--save-every", "2",
+    grpo.main(cli(grpo.Args, args=small(tmp_path, "--model", str(model), "--run-name", "r", "--save-every", "2",
                                              steps=2)[1:]))
     config = AutoConfig.from_pretrained(model, intermediate_size=256)
     AutoModelForCausalLM.from_config(config).save_pretrained(model)
     with pytest.raises(UsageError) as stop:
-        grpo.main(tyro.cli(grpo.Args, args=[*args[1:], "--resume", "latest"]))
+        grpo.main(cli(grpo.Args, args=[*args[1:], "--resume", "latest"]))
     assert f"--resume {tmp_path / 'runs' / 'r' / 'step_2'}: {LATER['shapes'][1]}" in str(stop.value)
     assert [m["step"] for m in read_metrics(tmp_path / "runs" / "r")] == [0, 1]  # the run as it was
 
@@ -188,7 +187,7 @@ def test_a_tokenizer_that_does_not_round_trip_is_named(tmp_path, capsys):
 def test_eval_size_0_without_evaluation_trains_on_every_row(tmp_path):
     make_inputs(tmp_path)
     argv = small(tmp_path, "--dataset", str(tmp_path / "train.jsonl"), "--eval-size", "0", "--run-name", "all")
-    grpo.main(tyro.cli(grpo.Args, args=argv[1:]))
+    grpo.main(cli(grpo.Args, args=argv[1:]))
     assert [m["step"] for m in read_metrics(tmp_path / "runs" / "all")] == [0, 1, 2, 3]
 
 
@@ -222,8 +221,8 @@ def test_healthy_runs_print_no_alarming_noise(tmp_path, capfd):
     capfd.readouterr()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ppo.main(tyro.cli(ppo.Args, args=small(tmp_path, "--model", str(untied), steps=1)[1:]))
-        dapo.main(tyro.cli(dapo.Args, args=small(tmp_path, "--dataset", str(never), "--eval-size", "4",
+        ppo.main(cli(ppo.Args, args=small(tmp_path, "--model", str(untied), steps=1)[1:]))
+        dapo.main(cli(dapo.Args, args=small(tmp_path, "--dataset", str(never), "--eval-size", "4",
                                                  "--max-gen-rounds", "1", steps=1)[1:]))
     out, err = capfd.readouterr()
     assert "LOAD REPORT" not in out + err and "UNEXPECTED" not in out + err

@@ -1,9 +1,10 @@
 """Every algorithm file keeps grpo.py's skeleton and shared lines: `diff grpo.py dapo.py` shows only the
-algorithm. The check runs on each file listed in conftest.ALGORITHMS.
+algorithm; and every file's --help shows the same flag groups. The checks run on each file listed in
+conftest.ALGORITHMS.
 
 What may differ between two files:
 - the module docstring, and the names imported (the import block, up to the "1. Config" banner);
-- the Algorithm group of Args (from its "# Algorithm" comment to "# Computed at runtime");
+- the Algorithm group of the flags (the class AlgorithmFlags);
 - section 2, the algorithm's functions (from the "2. Algorithm" banner to the "3. Training" one);
 - inside `main`, the spans marked in the file itself, from a `# --- algorithm: <what> ---` line to the
   next `# ---` line (and the blank lines after it). A change in one file must lie in a span of that
@@ -11,17 +12,20 @@ What may differ between two files:
   every file is grpo.py's.
 """
 
+import dataclasses
 import difflib
+import importlib
 import re
 
 import pytest
 
+from common import cli
 from conftest import ALGORITHMS, ROOT
 
 SECTIONS = [  # (first line, line that ends the section) of the parts a file may write its own way
     (r'"""', r"import "),  # the module docstring
     (r"import |from ", r"# 1\. Config"),  # the imports
-    (r"    # Algorithm$", r"    # Computed at runtime$"),  # the Algorithm group of Args
+    (r"class AlgorithmFlags:$", r"@dataclass$"),  # the Algorithm group of the flags
     (r"# 2\. Algorithm$", r"# 3\. Training$"),  # the algorithm's functions
 ]
 OPEN, CLOSE = re.compile(r"\s*# --- algorithm: \S"), re.compile(r"\s*# ---$")
@@ -89,3 +93,18 @@ def test_the_check_catches_a_changed_shared_line():
     with pytest.raises(AssertionError, match="closes no span"):
         changes_outside_spans(base, removed_mark)
     assert changes_outside_spans(base, base) == []
+
+
+@pytest.mark.parametrize("algo", ALGORITHMS)
+def test_help_shows_the_flag_groups_and_each_default_once(algo, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # one line per flag, or nearly
+    module = importlib.import_module(algo)
+    with pytest.raises(SystemExit) as stop:
+        cli(module.Args, ["--help"])
+    assert stop.value.code == 0
+    out = capsys.readouterr().out
+    groups = {"Experiment", "Model & data", "Rollout", "Optimization", "Algorithm"}
+    assert set(re.findall(r"([A-Z][a-z]+(?: & [a-z]+)?) options", out)) == groups  # boxed on a terminal
+    flags = [f for group in module.Args.__mro__[1:] if dataclasses.is_dataclass(group)
+             for f in dataclasses.fields(group)]
+    assert out.count("(default:") == len(flags)  # tyro's, once per flag: no docstring states a default of its own
