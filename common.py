@@ -481,8 +481,6 @@ def sampler_logprob_gap(sampler_logprobs: torch.Tensor, logprobs: torch.Tensor, 
     return {"policy/sampler_logprob_gap": total[0] / total[1].clamp(min=1), "policy/sampler_logprob_gap_max": largest}
 
 
-
-
 def no_sync(models, last: bool) -> contextlib.ExitStack:
     """Inside, backward() accumulates gradients without DDP's all-reduce for each DDP-wrapped module of
     `models`, unless this is the `last` micro-batch of the optimizer step, whose backward syncs them."""
@@ -491,6 +489,7 @@ def no_sync(models, last: bool) -> contextlib.ExitStack:
         if isinstance(model, DistributedDataParallel):
             stack.enter_context(model.no_sync())
     return stack
+
 
 @contextlib.contextmanager
 def timed(seconds: dict[str, float], name: str):
