@@ -2,7 +2,7 @@
 one CSV, a PNG of the curves (mean and min-max over seeds) and a table of how fast each file
 reaches a target held-out accuracy.
 
-    python -m benchmarks.learning_curves                        # from the repo root: 6 files x seeds 1 2 3 x 200 steps
+    python -m benchmarks.learning_curves                        # from the repo root: 8 files x seeds 1 2 3 x 200 steps
     python -m benchmarks.learning_curves --configs grpo "gvpo --reuse-steps 1" --seeds 1 2
     python -m benchmarks.learning_curves --from-csv             # table and plot of --out only, no training
 
@@ -36,7 +36,7 @@ from pathlib import Path
 import tyro
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = ["grpo", "dapo", "cispo", "gvpo", "ppo", "drgrpo"]
+CONFIGS = ["grpo", "dapo", "cispo", "gvpo", "ppo", "drgrpo", "gspo"]
 COLUMNS = ["config", "seed", "step", "wall_s", "completions", "eval_accuracy", "eval_accuracy_greedy",
            "reward_mean", "response_length"]
 

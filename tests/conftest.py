@@ -39,7 +39,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-ALGORITHMS = ["grpo", "dapo", "cispo", "gvpo", "ppo", "drgrpo"]  # every algorithm file; the shared tests run on each
+# Every algorithm file; the shared tests run on each.
+ALGORITHMS = ["grpo", "dapo", "cispo", "gvpo", "ppo", "drgrpo", "gspo"]
 
 
 @pytest.fixture
