@@ -13,8 +13,8 @@ Objective (maximised; r = pi_theta / pi_old per token, A_i = (R_i - mean R) / (s
     J = 1/G sum_i 1/|o_i| sum_t [ min(r_it A_i, clip(r_it, 1-eps, 1+eps) A_i) - beta * k3_it ]
     k3_it = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1
 
-This is the baseline file: dapo.py, cispo.py, gvpo.py, ppo.py and drgrpo.py differ from it only in
-their algorithm sections (`diff grpo.py dapo.py`).
+This is the baseline file: dapo.py, cispo.py, gvpo.py, ppo.py, drgrpo.py, gspo.py and rloo.py differ
+from it only in their algorithm sections (`diff grpo.py dapo.py`).
 
 Run:
     python grpo.py                                          # offline default: tiny model, a+b task, CPU

@@ -36,7 +36,7 @@ from pathlib import Path
 import tyro
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = ["grpo", "dapo", "cispo", "gvpo", "ppo", "drgrpo", "gspo"]
+CONFIGS = ["grpo", "dapo", "cispo", "gvpo", "ppo", "drgrpo", "gspo", "rloo"]
 COLUMNS = ["config", "seed", "step", "wall_s", "completions", "eval_accuracy", "eval_accuracy_greedy",
            "reward_mean", "response_length"]
 

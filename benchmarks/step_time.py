@@ -27,7 +27,7 @@ from typing import Literal
 import tyro
 
 ROOT = Path(__file__).resolve().parent.parent
-FILES = ["grpo", "dapo", "cispo", "gvpo", "ppo", "drgrpo", "gspo"]
+FILES = ["grpo", "dapo", "cispo", "gvpo", "ppo", "drgrpo", "gspo", "rloo"]
 KEYS = ["perf/step_s", "perf/gen_s", "perf/logprobs_s", "perf/update_s", "perf/tokens_per_s", "perf/peak_mem_gb",
         "response/length_mean"]
 
@@ -59,7 +59,7 @@ def compare_with_trl(grpo: dict[str, float], steps: int, extra: list[str]) -> No
 class Args:
     steps: int = 12
     """steps per run; the first two are left out of the means"""
-    files: tuple[Literal["grpo", "dapo", "cispo", "gvpo", "ppo", "drgrpo", "gspo"], ...] = tuple(FILES)
+    files: tuple[Literal["grpo", "dapo", "cispo", "gvpo", "ppo", "drgrpo", "gspo", "rloo"], ...] = tuple(FILES)
     scaling: bool = True
     """the group-size and generation-limit runs after the table"""
     trl: bool = True

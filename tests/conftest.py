@@ -40,7 +40,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 # Every algorithm file; the shared tests run on each.
-ALGORITHMS = ["grpo", "dapo", "cispo", "gvpo", "ppo", "drgrpo", "gspo"]
+ALGORITHMS = ["grpo", "dapo", "cispo", "gvpo", "ppo", "drgrpo", "gspo", "rloo"]
 
 
 @pytest.fixture

@@ -1,0 +1,382 @@
+"""RLOO: REINFORCE Leave-One-Out, the plain policy gradient with a baseline from the other completions.
+
+Each completion is one action: the policy gradient pushes up its whole log-probability, log pi_theta(y_i|x)
+(its token log-probs summed), in proportion to its advantage. The baseline of completion i is the mean reward
+of the k - 1 other completions of its prompt, so it does not depend on y_i and the estimate stays unbiased
+(GRPO's group mean includes R_i; it also divides by the std and clips a per-token ratio). No critic, no
+ratio, no clipping. A KL penalty to a reference model, when --beta > 0, is taken from each completion's
+reward before the baseline, as in RLHF; the rule reward here needs none (default 0).
+
+Paper: Ahmadian et al., "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human
+Feedback in LLMs", arXiv:2402.14740 (2024): the RLOO estimator (k samples, leave-one-out baseline). REINFORCE is
+on-policy: the paper's form is one update per rollout (--updates-per-rollout 1). The shared default of 2
+passes takes a second step on the same completions, without a correction.
+
+Objective (maximised; k = --group-size, R_i - beta * sum_t log(pi_old(y_it) / pi_ref(y_it)) when beta > 0):
+    A_i = R_i - 1/(k-1) sum_{j != i} R_j    (= k/(k-1) * (R_i - mean R))
+    J = 1/k sum_i A_i * sum_t log pi_theta(y_it | x, y_i<t)
+    (GRPO: (R_i - mean R) / std R, and a clipped per-token ratio, averaged over each completion's tokens)
+
+TRL's RLOOTrainer uses the same advantage and sequence-level KL in the reward, but its loss is PPO's clipped
+surrogate on the whole-sequence ratio pi_theta(y_i|x) / pi_old(y_i|x), averaged over completions: at the
+first update (ratio 1) its gradient is this one; on later updates it clips where this file does not.
+
+Differences from grpo.py:
+- Advantage: R_i minus the mean of the other completions' rewards, not divided by the std (`compute_advantages`),
+  computed after the log-probs, since a KL penalty enters the reward.
+- Loss: -A_i times the completion's summed log-prob (REINFORCE), divided by the sequences in the optimizer
+  step: no ratio, no clipping, no mean over each completion's tokens.
+- KL: --beta (default 0) subtracts beta * sum_t log(pi_old / pi_ref) from each reward instead of a k3 loss term.
+
+Run:
+    python rloo.py                                          # offline default: tiny model, a+b task, CPU
+    torchrun --standalone --nproc_per_node=2 rloo.py        # data-parallel (gloo on CPU, nccl on GPU)
+    torchrun --standalone --nproc_per_node=8 rloo.py --model Qwen/Qwen2.5-0.5B-Instruct \\
+        --dataset train.jsonl --max-new-tokens 512 --learning-rate 1e-6 --micro-batch-size 16
+"""
+
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+import tyro
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from common import (
+    UsageError,
+    all_reduce_mean,
+    all_reduce_sum,
+    check_flags,
+    cleanup_distributed,
+    cli,
+    generate,
+    get_logprobs,
+    masked_mean,
+    mean_metrics,
+    no_sync,
+    perf_metrics,
+    print0,
+    require,
+    rollout_logprobs,
+    rollout_metrics,
+    sampler_logprob_gap,
+    setup_distributed,
+    timed,
+)
+from data import fit_prompts, format_prompt, load_data, model_positions, prompt_batch
+from models import DEFAULT_MODEL, clip_grad_norm, load_model, load_tokenizer, shard_model
+from rewards import evaluate, load_reward_fn, score
+from runs import Logger, claim_run_dir, load_checkpoint, prepare_run_dir, resume_hint, save_checkpoint
+
+# ---------------------------------------------------------------------------------------------
+# 1. Config
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ExperimentFlags:
+    seed: int = 1
+    """seed of the data order, the sampling and evaluation"""
+    run_name: Optional[str] = None
+    """metrics and checkpoints go to <output-dir>/<run-name>; left out: <file>__<seed>__<unix time>"""
+    output_dir: str = "runs"
+    """folder of all runs"""
+    track: bool = False
+    """log to Weights & Biases (pip install wandb)"""
+    eval_every: int = 20
+    """evaluate on the held-out split every N steps, and at the end (0: never)"""
+    save_every: int = 0
+    """save a resumable checkpoint (weights, optimizer, RNG, step) every N steps (0: only the final weights)"""
+    keep_checkpoints: int = 0
+    """keep only the newest N step checkpoints, removing older ones after each save (0: keep all)"""
+    resume: Optional[str] = None
+    """continue from a checkpoint folder <run>/step_N (in <run>, or in --run-name's folder when given), or
+    'latest' for the newest checkpoint of --run-name's run"""
+
+
+@dataclass
+class ModelAndDataFlags:
+    model: str = DEFAULT_MODEL
+    """Hugging Face model name or local folder"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """weights dtype; auto = float32 on CPU, bfloat16 on GPU (log-probs are always computed in float32)"""
+    dataset: Optional[str] = None
+    """training data: a JSONL file, a Hugging Face dataset name, or a JSON/Parquet/CSV file or dataset folder
+    (needs `pip install datasets`); left out: the built-in a+b task"""
+    dataset_config: Optional[str] = None
+    """configuration of --dataset (e.g. 'main' for openai/gsm8k)"""
+    split: str = "train"
+    """split of --dataset to train on"""
+    eval_dataset: Optional[str] = None
+    """held-out data, in the same forms; left out: --eval-split of --dataset, else its last --eval-size rows"""
+    eval_split: Optional[str] = None
+    """split of the held-out data; left out: 'test' for --eval-dataset (or its only split)"""
+    eval_size: int = 500
+    """held-out prompts taken from the built-in task or --dataset when there is no --eval-dataset or --eval-split"""
+    prompt_field: str = "prompt"
+    """the rows' prompt field (e.g. 'question' for openai/gsm8k, 'problem' for MATH)"""
+    answer_field: str = "answer"
+    """the rows' gold-answer field; a final \\boxed{} or GSM8K's '#### 72' in it is found"""
+    chat_template: bool = True
+    """wrap prompts in the tokenizer's chat template, when it has one"""
+    format_weight: float = 0.0
+    """weight of the format reward (answer as a bare number / in \\boxed{}) added to correctness"""
+    reward_fn: Optional[str] = None
+    """extra reward 'module:function' or 'file.py:function', called as fn(prompts, completions, answers)"""
+
+
+@dataclass
+class RolloutFlags:
+    num_steps: int = 200
+    """training steps; each samples one rollout and takes updates-per-rollout x num-minibatches optimizer steps"""
+    prompts_per_step: int = 32
+    """prompts per rollout, over all ranks"""
+    group_size: int = 8
+    """G: completions sampled per prompt"""
+    max_prompt_length: Optional[int] = None
+    """drop prompts longer than this many tokens after the chat template; left out: only those that leave
+    no room for --max-new-tokens in the model's positions are dropped"""
+    max_new_tokens: int = 8
+    """generation limit per completion; a completion that reaches it without EOS is 'truncated'"""
+    temperature: float = 1.0
+    """sampling temperature; log-probs divide the logits by it too"""
+
+
+@dataclass
+class OptimizationFlags:
+    learning_rate: float = 2e-4
+    """tuned for the tiny default model; 1e-6 is the paper's value for 7B models"""
+    updates_per_rollout: int = 2
+    """mu: passes over each rollout (1 makes the ratio exactly 1 and clipping inactive)"""
+    num_minibatches: int = 1
+    """optimizer steps per pass over the rollout"""
+    micro_batch_size: Optional[int] = None
+    """sequences per forward/backward on each rank, accumulated up to the minibatch; left out: the whole minibatch"""
+    fsdp: bool = False
+    """shard weights, gradients and optimizer state over the ranks (FSDP2; bf16 compute on GPU) instead of DDP"""
+    dist_timeout: float = 60.0
+    """minutes a rank waits for the others at a collective before the run stops (a step's generation and
+    scoring must fit in it)"""
+    gradient_checkpointing: bool = False
+    """recompute each layer's activations in the backward pass: less activation memory, ~1/3 more compute"""
+    max_grad_norm: float = 1.0
+    """gradient clipping (verl and the DAPO script use 1.0)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+
+
+@dataclass
+class AlgorithmFlags:
+    beta: float = 0.0
+    """weight of the KL to the reference model, taken from each completion's reward; 0 skips the reference model"""
+
+
+@dataclass
+class Args(AlgorithmFlags, OptimizationFlags, RolloutFlags, ModelAndDataFlags, ExperimentFlags):
+    """Every flag, flat (args.seed, args.beta, ...); `--help` shows them in the groups above."""
+
+    # Computed at runtime
+    world_size: tyro.conf.Suppress[int] = 1
+    local_prompts_per_step: tyro.conf.Suppress[int] = 0
+    local_batch_size: tyro.conf.Suppress[int] = 0
+    minibatch_size: tyro.conf.Suppress[int] = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Algorithm
+# ---------------------------------------------------------------------------------------------
+
+
+def compute_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Leave-one-out advantage: R_i - mean_{j != i} R_j, over the G - 1 other completions of the prompt.
+
+    rewards: (B,) with the G completions of each prompt stored contiguously -> advantages (B,).
+    A group whose rewards are all equal gets advantage 0 for every member."""
+    grouped = rewards.view(-1, group_size)  # (B/G, G)
+    mean = grouped.mean(dim=1, keepdim=True)
+    return (group_size / (group_size - 1) * (grouped - mean)).view(-1)  # = R_i - (G mean - R_i) / (G - 1)
+
+
+def compute_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    num_sequences: float | torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """RLOO loss (minimised): REINFORCE, -A_i times the summed token log-probs of completion i, summed over
+    sequences and divided by `num_sequences`.
+
+    logprobs, old_logprobs, response_mask: (B, T); advantages: (B,).
+    num_sequences: the number of sequences in the whole optimizer step (every micro-batch, every rank),
+    so that micro-batch losses add up to the step's mean; computed once by the caller.
+    old_logprobs only measure how far the updates have moved (policy/approx_kl): the loss has no ratio."""
+    ratio = torch.exp(logprobs - old_logprobs)  # (B, T); exactly 1 on the first update of a rollout
+    adv = advantages.unsqueeze(-1)  # (B, 1): one advantage for every token of a completion
+    pg_losses = -adv * logprobs  # (B, T): REINFORCE, no ratio and no clip
+    seq_loss = (pg_losses * response_mask).sum(-1)  # (B,) -A_i log pi_theta(y_i|x): the completion is one action
+    loss = seq_loss.sum() / num_sequences
+
+    with torch.no_grad():
+        n = response_mask.sum().clamp(min=1)
+        metrics = {  # tensors: the caller syncs them with the device once per step
+            "loss/policy": seq_loss.mean(),
+            "policy/approx_kl": (((ratio - 1) - torch.log(ratio)) * response_mask).sum() / n,
+        }
+    return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Training
+# ---------------------------------------------------------------------------------------------
+
+
+def main(args: Args) -> None:
+    check_flags(args)  # the shared flags and the per-rank batch sizes, before anything is loaded or written
+    # --- algorithm: RLOO's flags ---
+    if args.group_size < 2:
+        raise UsageError(f"--group-size {args.group_size}: group advantages need at least 2 completions per prompt.")
+    require(args.beta >= 0, "--beta", args.beta, ">= 0 (0 skips the reference model)")
+    # ---
+    rank, args.world_size, device = setup_distributed(args.dist_timeout)
+    run_info = {"algorithm": Path(__file__).name, "config": asdict(args)}  # recorded in every checkpoint
+    run_dir, resume_dir = prepare_run_dir(run_info, rank)  # where it writes, and from what it resumes
+
+    # Data, prompts and the user reward are checked before any model is loaded, so bad input fails fast.
+    train_set, eval_set = load_data(args.dataset, args.eval_dataset, args.eval_size, args.dataset_config, args.split,
+                                    args.eval_split, args.prompt_field, args.answer_field)
+    exact = args.dataset is None  # the built-in task's answers are compared as whole strings
+    reward_fn = load_reward_fn(args.reward_fn, train_set[:2]) if args.reward_fn else None
+    tokenizer = load_tokenizer(args.model)
+    train_set, eval_set = fit_prompts(train_set, eval_set, tokenizer, args.chat_template, args.max_prompt_length,
+                                      args.max_new_tokens, model_positions(args.model))
+
+    # Same seed on every rank while loading, so any newly initialised weights (an added pad token's
+    # embedding) are identical; then seed + rank, or every rank would sample the same completions.
+    torch.manual_seed(args.seed)
+    policy = load_model(args.model, args.dtype, device, tokenizer)
+    if args.gradient_checkpointing:  # HF recomputes layers in train mode only (dropout is off: nothing else changes)
+        policy.activation_checkpointing_enable({"use_reentrant": False})
+        policy.train()
+    if args.fsdp:  # sharded in place; FSDP2 averages gradients over ranks, as DDP does
+        shard_model(policy, device)
+    # --- algorithm: the reference model, the frozen initial policy (not loaded at all when beta = 0) ---
+    ref_policy = None
+    if args.beta > 0:
+        torch.manual_seed(args.seed)
+        ref_policy = load_model(args.model, args.dtype, device, tokenizer).eval().requires_grad_(False)
+        if args.fsdp:
+            shard_model(ref_policy, device)
+    # ---
+    torch.manual_seed(args.seed + rank)
+    # --- algorithm: what the optimizer trains: the policy ---
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    trained = {"policy": policy}  # saved to and restored from checkpoints
+    # ---
+    start_step, state = 0, {}  # state: what the algorithm carries from step to step (per rank, in checkpoints)
+    if resume_dir:  # weights, optimizer, RNG, step and state as saved: the run goes on as if it never stopped
+        start_step, state = load_checkpoint(resume_dir, trained, optimizer, rank)
+    # What the update calls: DDP averages gradients over ranks (FSDP2 has sharded in place: nothing to wrap).
+    wrapped = {name: DDP(m) if args.world_size > 1 and not args.fsdp else m for name, m in trained.items()}
+    model = wrapped["policy"]
+    claim_run_dir(run_dir, resume_dir, rank)  # from here on this run writes there; a run holding it stops here
+    logger = Logger(run_dir, asdict(args), rank, args.track, args.num_steps)
+    print0(f"{args.prompts_per_step} prompts x {args.group_size} completions per step on {args.world_size} rank(s), "
+           f"{args.updates_per_rollout * args.num_minibatches} optimizer steps each")
+
+    for step in range(start_step, args.num_steps):
+        step_start, times, metrics = time.perf_counter(), {}, {}
+        if args.eval_every and step % args.eval_every == 0:
+            metrics.update(evaluate(policy, tokenizer, eval_set, args.chat_template, exact, args.max_new_tokens,
+                                    rank, args.world_size, args.seed))
+
+        # --- algorithm: 1-3. one group of G completions for each of the step's prompts, scored ---
+        batch = prompt_batch(train_set, step, args.prompts_per_step, rank, args.world_size, args.seed)  # this rank's
+        prompts = [format_prompt(tokenizer, e["prompt"], args.chat_template) for e in batch]
+        with timed(times, "gen"):  # stored contiguously by group: rows j*G .. j*G+G-1
+            rollout = generate(policy, tokenizer, prompts, args.group_size, args.max_new_tokens, args.temperature)
+        answers = [e["answer"] for e in batch for _ in range(args.group_size)]
+        group_prompts = [e["prompt"] for e in batch for _ in range(args.group_size)]
+        rewards, components = score(group_prompts, rollout.texts, answers, exact, args.format_weight,
+                                    reward_fn, args.reward_fn)
+        b_rollout = rollout  # the batch to train on: here every completion sampled
+        # ---
+        b_ids, b_attention_mask = b_rollout.input_ids, b_rollout.attention_mask  # (B, P+T)
+        b_response_mask = b_rollout.response_mask  # (B, T): 1 on the response tokens, EOS included
+
+        # 5. old log-probs (no grad), recomputed by the training model: the ratio starts at exactly 1
+        with timed(times, "logprobs"):
+            b_old_logprobs = rollout_logprobs(model, b_rollout, args.temperature, args.micro_batch_size)  # (B, T)
+            # --- algorithm: the KL to the reference enters the reward; then 4. the leave-one-out advantages ---
+            b_kl = torch.zeros(len(b_ids), device=device)  # (B,) KL of each completion to the reference, in nats
+            if ref_policy is not None:
+                b_ref_logprobs = rollout_logprobs(ref_policy, b_rollout, args.temperature, args.micro_batch_size)
+                b_kl = ((b_old_logprobs - b_ref_logprobs) * b_response_mask).sum(-1)  # k1: sum_t log(pi_old / pi_ref)
+            b_advantages = compute_advantages(rewards.to(device) - args.beta * b_kl, args.group_size)  # (B,)
+            metrics["algo/kl"] = b_kl.mean()
+            # ---
+        # --- algorithm: the sampler guard, on the completions this policy sampled ---
+        # Were they drawn from the distribution the loss assumes? (the gap is ~1e-6 in fp32)
+        metrics.update(sampler_logprob_gap(b_rollout.sampler_logprobs, b_old_logprobs, b_rollout.response_mask))
+        # ---
+
+        # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
+        with timed(times, "update"):
+            minibatch_size = max(1, -(-len(b_ids) // args.num_minibatches))  # ceil: DAPO and GVPO resize the batch
+            update_metrics = []
+            for _ in range(args.updates_per_rollout):
+                # --- algorithm: the minibatches: a fresh shuffle of the sequences each pass ---
+                b_order = torch.randperm(len(b_ids), device=device)
+                # ---
+                for start in range(0, len(b_ids), minibatch_size):  # none when the batch is empty (DAPO)
+                    mb_idx = b_order[start : start + minibatch_size]
+                    # --- algorithm: the loss is a mean over the optimizer step's sequences, on every rank ---
+                    num_sequences = all_reduce_sum((b_response_mask[mb_idx].sum(-1) > 0).sum()) / args.world_size
+                    # ---
+                    micro_batches = mb_idx.split(args.micro_batch_size)
+                    for k, idx in enumerate(micro_batches):
+                        # Gradients are synced over ranks once per optimizer step, on the last micro-batch.
+                        with no_sync(wrapped.values(), last=k == len(micro_batches) - 1):
+                            logprobs, entropy = get_logprobs(model, b_ids[idx], b_attention_mask[idx],
+                                                             b_rollout.prompt_length, args.temperature)
+                            # --- algorithm: the RLOO loss ---
+                            loss, mb_metrics = compute_loss(
+                                logprobs, b_old_logprobs[idx], b_advantages[idx], b_response_mask[idx], num_sequences)
+                            # ---
+                            loss.backward()
+                        mb_metrics["policy/entropy"] = masked_mean(entropy, b_response_mask[idx])
+                        update_metrics.append(mb_metrics)
+                    grad_norm = clip_grad_norm(policy.parameters(), args.max_grad_norm)
+                    if not torch.isfinite(grad_norm):  # one host sync per optimizer step; the same value on every rank
+                        raise UsageError(f"step {step}: non-finite gradient norm ({grad_norm.item()}); stopped before "
+                                         f"the optimizer step. Try a lower --learning-rate, or check --reward-fn. "
+                                         f"{resume_hint(run_dir)}")
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    update_metrics.append({"policy/grad_norm": grad_norm})
+
+        # 7. log, evaluate, checkpoint
+        metrics.update({**rollout_metrics(rewards, components, rollout), **mean_metrics(update_metrics)})
+        logger.log(step, all_reduce_mean({**metrics, **perf_metrics(times, step_start, rollout, device)}, device))
+        if args.save_every and (step + 1) % args.save_every == 0:
+            save_checkpoint(run_dir / f"step_{step + 1}", trained, tokenizer, rank, run_info, optimizer, step + 1,
+                            state, args.keep_checkpoints)
+
+    if args.eval_every:
+        logger.log(args.num_steps, evaluate(policy, tokenizer, eval_set, args.chat_template, exact,
+                                            args.max_new_tokens, rank, args.world_size, args.seed))
+    save_checkpoint(run_dir / "final", trained, tokenizer, rank, run_info)
+    print0(f"done: {run_dir / 'final'}")
+    logger.close()
+
+
+if __name__ == "__main__":
+    try:
+        main(cli(Args))
+    except UsageError as error:  # bad input: one line naming the flag or file and the fix, no traceback
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    cleanup_distributed()  # after main has returned (its DDP wrappers freed): the ranks end together
