@@ -238,9 +238,7 @@ def perf_metrics(times: dict[str, float], step_start: float, rollout, device: to
 
 def peak_memory_gb(device: torch.device) -> float:
     """Peak accelerator memory allocated, or this process's peak resident memory on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return peak_rss_bytes() / 2**30
+    return (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()) / 2**30
 
 
 def peak_rss_bytes() -> int:
@@ -417,27 +415,32 @@ def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def _token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, model, temperature: float
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(target) and entropy for a chunk of positions: (N, H), (N,) -> (N,), (N,)."""
-    logits = output_logits(model, hidden) / temperature  # (N, V), >= fp32; T as sampled, after any soft-cap
+def _token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, model, temperature: float, entropy: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(target) and, when `entropy`, the entropy for a chunk of positions: (N, H), (N,) -> (N,), (N,)."""
+    logits = output_logits(model, hidden)  # (N, V), >= fp32
+    if temperature != 1:  # T as sampled, after any soft-cap (dividing by 1 changes nothing, and costs a pass)
+        logits = logits / temperature
     lse = logits.logsumexp(-1)
     logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+    if not entropy:
+        return logprobs, None
     with torch.no_grad():  # H = lse - sum_v p_v logit_v, as a batched dot product: no (N, V) product tensor
-        entropy = lse - torch.bmm(logits.softmax(-1)[:, None, :], logits[:, :, None]).view(-1)
-    return logprobs, entropy
+        return logprobs, lse - torch.bmm(logits.softmax(-1)[:, None, :], logits[:, :, None]).view(-1)
 
 
-def get_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
-                 temperature: float, chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def get_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, temperature: float,
+                 chunk_size: int | None = None, entropy: bool = True, recompute_above: int = 2**27
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs of the response tokens under `model` (DDP-wrapped or not), and their entropy.
 
-    (B, P+L) ids and mask -> logprobs (B, L) in fp32, entropy (B, L) without gradient; both are 0
-    after EOS.
+    (B, P+L) ids and mask -> logprobs (B, L) in fp32, entropy (B, L) without gradient (None unless
+    `entropy`); both are 0 after EOS.
     The logit at position t predicts token t+1, so response tokens are scored from the hidden states
-    at columns P-1 .. P+L-2. The vocabulary projection runs in chunks of `chunk_size` positions (and is
-    recomputed in the backward pass), so the full (B, L, V) log-softmax never exists at once; by default
-    a chunk holds 2^25 logits (128 MB in fp32: 220 positions of a 151,936-token vocabulary)."""
+    at columns P-1 .. P+L-2. The vocabulary projection runs in chunks of `chunk_size` positions, so the
+    full (B, L, V) log-softmax never exists at once; by default a chunk holds 2^25 logits (128 MB in
+    fp32: 220 positions of a 151,936-token vocabulary). With gradients, each chunk's logits are kept for
+    the backward pass, or recomputed there when B x L x V is above `recompute_above` (512 MB in fp32)."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens start at 0
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 output_hidden_states=True, logits_to_keep=1, use_cache=False)
@@ -447,25 +450,23 @@ def get_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
     hidden, targets = hidden.reshape(B * L, H), targets.reshape(B * L)
     vocab_size = unwrap(model).get_output_embeddings().weight.shape[0]
     chunk_size = chunk_size or max(1, 2**25 // vocab_size)  # positions per chunk
-    logprobs, entropy = [], []
+    recompute = torch.is_grad_enabled() and B * L * vocab_size > recompute_above
+    logprobs, entropies = [], []
     for i in range(0, B * L, chunk_size):
-        args = (hidden[i : i + chunk_size], targets[i : i + chunk_size], model, temperature)
-        if torch.is_grad_enabled():
-            lp, ent = checkpoint(_token_logprobs, *args, use_reentrant=False)
-        else:
-            lp, ent = _token_logprobs(*args)
+        args = (hidden[i : i + chunk_size], targets[i : i + chunk_size], model, temperature, entropy)
+        lp, ent = checkpoint(_token_logprobs, *args, use_reentrant=False) if recompute else _token_logprobs(*args)
         logprobs.append(lp)
-        entropy.append(ent)
+        entropies.append(ent)
     real = attention_mask[:, prompt_length:]  # (B, L) 0 after EOS: those positions are set to 0, not garbage
-    return torch.cat(logprobs).view(B, L) * real, torch.cat(entropy).view(B, L) * real
+    return torch.cat(logprobs).view(B, L) * real, torch.cat(entropies).view(B, L) * real if entropy else None
 
 
 @torch.no_grad()
 def rollout_logprobs(model, rollout: Rollout, temperature: float, micro_batch_size: int) -> torch.Tensor:
-    """Log-probs (B, L) of a whole rollout's response tokens, `micro_batch_size` sequences at a time."""
+    """Log-probs (B, L), no entropy, of a rollout's responses, `micro_batch_size` rows at a time ((0, L) if empty)."""
     ids, mask, n = rollout.input_ids, rollout.attention_mask, micro_batch_size
-    return torch.cat([get_logprobs(model, ids[i : i + n], mask[i : i + n], rollout.prompt_length, temperature)[0]
-                      for i in range(0, len(ids), n)] or [rollout.response_mask.float()])  # (0, L) if empty
+    return torch.cat([get_logprobs(model, ids[i : i + n], mask[i : i + n], rollout.prompt_length, temperature,
+                                   entropy=False)[0] for i in range(0, len(ids), n)] or [rollout.response_mask.float()])
 
 
 def sampler_logprob_gap(sampler_logprobs: torch.Tensor, logprobs: torch.Tensor, response_mask: torch.Tensor

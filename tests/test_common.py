@@ -130,6 +130,8 @@ def test_recomputed_logprobs_match_generate_logits_under_temperature(model, toke
     logprobs, entropy = get_logprobs(model, ids, attention, P, T)
     torch.testing.assert_close(logprobs * mask, expected * mask, atol=2e-5, rtol=0)
     assert (entropy[mask.bool()] > 0).all()
+    without_entropy, none = get_logprobs(model, ids, attention, P, T, entropy=False)  # the no-grad passes' call
+    assert none is None and torch.equal(without_entropy, logprobs)
 
 
 def naive_logprobs(model, ids, attention, P, T):
@@ -139,7 +141,8 @@ def naive_logprobs(model, ids, attention, P, T):
     return logprobs.gather(-1, ids[:, P:, None]).squeeze(-1) * attention[:, P:]
 
 
-def test_chunked_logprobs_and_gradients_equal_full_log_softmax(model, tokenizer):
+@pytest.mark.parametrize("recompute_above", [0, 2**27])  # chunks recomputed in the backward pass, or kept
+def test_chunked_logprobs_and_gradients_equal_full_log_softmax(model, tokenizer, recompute_above):
     model = copy.deepcopy(model).double()  # float64, so that only a real difference shows
     torch.manual_seed(0)
     prompts = [format_prompt(tokenizer, p, True) for p in ("1+2", "45+67")]
@@ -148,7 +151,8 @@ def test_chunked_logprobs_and_gradients_equal_full_log_softmax(model, tokenizer)
     (expected * torch.arange(expected.numel()).view_as(expected)).sum().backward()
     expected_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    logprobs, _ = get_logprobs(model, r.input_ids, r.attention_mask, r.prompt_length, 1.3, chunk_size=5)
+    logprobs, _ = get_logprobs(model, r.input_ids, r.attention_mask, r.prompt_length, 1.3, chunk_size=5,
+                               recompute_above=recompute_above)
     torch.testing.assert_close(logprobs, expected, atol=1e-12, rtol=0)
     (logprobs * torch.arange(logprobs.numel()).view_as(logprobs)).sum().backward()
     for p, g in zip(model.parameters(), expected_grads):
