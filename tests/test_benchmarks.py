@@ -49,6 +49,13 @@ def test_step_time_benchmark_runs():
     assert result.stdout.splitlines()[3].startswith("| grpo.py | ")
 
 
+def test_update_parts_benchmark_runs():
+    result = run(["-m", "benchmarks.update_parts", "--vocab", "1000", "--hidden", "64", "--repeats", "1"], cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    for part in ["log-prob head, forward + backward: kept", "no-grad pass: without entropy", "AdamW step: fused"]:
+        assert part in result.stdout, part
+
+
 def test_learning_curves_write_csv_resume_and_summarize(tmp_path):
     """Two tiny runs of one file with different flags go to the CSV, each with its own rows; a second call
     skips them (nothing rerun), and the table is printed."""
