@@ -106,10 +106,12 @@ def test_gpu_recipe_runs_at_a_tiny_shape_on_cpu(tmp_path):
     assert figures["batch"] == 4 and figures["gen_tokens_per_s"] > 0 and figures["update_tflops_per_s"] > 0
 
 
-def test_gpu_recipe_flop_count_matches_torch_flop_counter():
+@pytest.mark.parametrize("recompute_above", [2**27, 0])  # the logits kept for the backward, or recomputed there
+def test_gpu_recipe_flop_count_matches_torch_flop_counter(recompute_above):
     """update_flops (full attention) against the matmul FLOPs PyTorch counts in one get_logprobs forward +
     backward with eager attention (matmuls the counter sees), plus what the recipe leaves out on purpose:
-    the recomputed LM-head forward of get_logprobs' checkpointed chunks and the backbone's one logit."""
+    the backbone's one logit and, when get_logprobs recomputes its chunks in the backward pass (above
+    `recompute_above` logits), their LM-head forward again."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForCausalLM
@@ -122,10 +124,11 @@ def test_gpu_recipe_flop_count_matches_torch_flop_counter():
     B, P, L = 3, 10, 6
     ids = torch.randint(1, config.vocab_size, (B, P + L))
     with FlopCounterMode(display=False) as counter:
-        logprobs, _ = get_logprobs(model, ids, torch.ones_like(ids), P, 1.0)
+        logprobs, _ = get_logprobs(model, ids, torch.ones_like(ids), P, 1.0, recompute_above=recompute_above)
         logprobs.sum().backward()
     head = 2 * config.hidden_size * config.vocab_size
-    expected = update_flops(config, B, P + L, L, causal=False) + head * B * L + head * B
+    recomputed = head * B * L if B * L * config.vocab_size > recompute_above else 0
+    expected = update_flops(config, B, P + L, L, causal=False) + recomputed + head * B
     assert abs(counter.get_total_flops() - expected) / expected < 1e-4
     assert update_flops(config, B, P + L, L) < expected  # causal: half the attention
 
