@@ -22,6 +22,7 @@ Not counted: the CUDA context and allocator fragmentation (keep ~10% free), a re
 (ppo.py: the critic adds a second policy's static bytes).
 """
 
+import inspect
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -154,7 +155,8 @@ def measure_one(layers: int, hidden: int, intermediate: int, batch: int, seq: in
     measured = peak_rss_bytes() - base
     shape = Shape("tiny", layers, hidden, intermediate, 4, 2, vocab=vocab)
     logprob_head = 6 * min(batch * seq, 2**25 // vocab) * vocab * 4  # a chunk's logits and their temporaries
-    if batch * seq * vocab <= 2**27:  # get_logprobs' default recompute_above: the logits are kept, not recomputed
+    if batch * seq * vocab <= inspect.signature(get_logprobs).parameters["recompute_above"].default:
+        # below get_logprobs' threshold the logits are kept for the backward, not recomputed
         logprob_head += 4 * batch * seq * vocab
     predicted = peak_bytes(shape, False, 1, checkpointing, batch, seq, 0, w=4, logprob_head=logprob_head)
     print(f"{measured / GB:.4f} {predicted / GB:.4f} {shape.params}")

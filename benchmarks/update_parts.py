@@ -15,6 +15,7 @@ hit both; printed: the median and the range of each, and their ratio. Not a test
 machine and on whatever else runs on it.
 """
 
+import inspect
 import statistics
 import time
 from dataclasses import dataclass
@@ -71,8 +72,9 @@ def main(args: Args) -> None:
     ids = torch.randint(0, args.vocab, (args.batch, args.prompt + args.response))
     mask = torch.ones_like(ids)
     logits = args.batch * args.response * args.vocab
+    kept = logits <= inspect.signature(get_logprobs).parameters["recompute_above"].default  # get_logprobs' choice
     print(f"{args.layers} layer(s), vocabulary {args.vocab}, hidden {args.hidden}, {args.batch} x {args.response} "
-          f"response tokens: {logits:,} logits ({'kept' if logits <= 2**27 else 'recomputed'} by default); "
+          f"response tokens: {logits:,} logits ({'kept' if kept else 'recomputed'} by default); "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters; {torch.get_num_threads()} threads")
 
     def head(recompute_above: int):
