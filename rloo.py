@@ -214,7 +214,6 @@ def compute_loss(
     num_sequences: the number of sequences in the whole optimizer step (every micro-batch, every rank),
     so that micro-batch losses add up to the step's mean; computed once by the caller.
     old_logprobs only measure how far the updates have moved (policy/approx_kl): the loss has no ratio."""
-    ratio = torch.exp(logprobs - old_logprobs)  # (B, T); exactly 1 on the first update of a rollout
     adv = advantages.unsqueeze(-1)  # (B, 1): one advantage for every token of a completion
     pg_losses = -adv * logprobs  # (B, T): REINFORCE, no ratio and no clip
     seq_loss = (pg_losses * response_mask).sum(-1)  # (B,) -A_i log pi_theta(y_i|x): the completion is one action
@@ -222,6 +221,7 @@ def compute_loss(
 
     with torch.no_grad():
         n = response_mask.sum().clamp(min=1)
+        ratio = torch.exp(logprobs - old_logprobs)  # (B, T), only for approx_kl
         metrics = {  # tensors: the caller syncs them with the device once per step
             "loss/policy": seq_loss.mean(),
             "policy/approx_kl": (((ratio - 1) - torch.log(ratio)) * response_mask).sum() / n,
