@@ -369,13 +369,14 @@ def main(args: Args) -> None:
         b_ids, b_attention_mask = b_rollout.input_ids, b_rollout.attention_mask  # (B, P+T)
         b_response_mask = b_rollout.response_mask  # (B, T): 1 on the response tokens, EOS included
 
-        # 5. old log-probs (no grad), recomputed by the training model: the ratio starts at exactly 1
-        with timed(times, "logprobs"):
-            b_old_logprobs = rollout_logprobs(model, b_rollout, args.temperature, args.micro_batch_size)  # (B, T)
-        # --- algorithm: the sampler guard, on the completions this policy sampled ---
-        # Were they drawn from the distribution the loss assumes? (the gap is ~1e-6 in fp32)
-        metrics.update(sampler_logprob_gap(b_rollout.sampler_logprobs, b_old_logprobs, b_rollout.response_mask))
+        # 5. old log-probs (no grad), recomputed by the training model: the ratio starts at exactly 1. With one
+        # optimizer step per pass, the first pass runs on the sampling weights, and its forward gives them.
+        # --- algorithm: nothing needs the old log-probs before the update ---
+        old_from_update = args.num_minibatches == 1
         # ---
+        with timed(times, "logprobs"):
+            b_old_logprobs = (torch.zeros_like(b_response_mask) if old_from_update  # (B, T), filled in by pass 1
+                              else rollout_logprobs(model, b_rollout, args.temperature, args.micro_batch_size))
 
         # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
         with timed(times, "update"):
@@ -385,7 +386,7 @@ def main(args: Args) -> None:
             # ---
             minibatch_size = max(1, -(-len(b_ids) // args.num_minibatches))  # ceil: DAPO and GVPO resize the batch
             update_metrics = []
-            for _ in range(args.updates_per_rollout):
+            for epoch in range(args.updates_per_rollout):
                 # --- algorithm: the minibatches: a fresh shuffle of the sequences each pass ---
                 b_order = torch.randperm(len(b_ids), device=device)
                 # ---
@@ -400,6 +401,8 @@ def main(args: Args) -> None:
                         with no_sync(wrapped.values(), last=k == len(micro_batches) - 1):
                             logprobs, entropy = get_logprobs(model, b_ids[idx], b_attention_mask[idx],
                                                              b_rollout.prompt_length, args.temperature)
+                            if old_from_update and epoch == 0:  # the sampling weights: the ratio is exactly 1
+                                b_old_logprobs[idx] = logprobs.detach()
                             # --- algorithm: the DAPO loss ---
                             loss, mb_metrics = compute_loss(
                                 logprobs, b_old_logprobs[idx], b_advantages[idx], b_response_mask[idx], num_tokens,
@@ -416,6 +419,11 @@ def main(args: Args) -> None:
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                     update_metrics.append({"policy/grad_norm": grad_norm})
+
+        # --- algorithm: the sampler guard, on the completions this policy sampled ---
+        # Were they drawn from the distribution the loss assumes? (the gap is ~1e-6 in fp32)
+        metrics.update(sampler_logprob_gap(b_rollout.sampler_logprobs, b_old_logprobs, b_rollout.response_mask))
+        # ---
 
         # 7. log, evaluate, checkpoint
         metrics.update({**rollout_metrics(rewards, components, rollout), **mean_metrics(update_metrics)})

@@ -497,9 +497,14 @@ def main(args: Args) -> None:
         b_ids, b_attention_mask = b_rollout.input_ids, b_rollout.attention_mask  # (B, P+T)
         b_response_mask = b_rollout.response_mask  # (B, T): 1 on the response tokens, EOS included
 
-        # 5. old log-probs (no grad), recomputed by the training model: the ratio starts at exactly 1
+        # 5. old log-probs (no grad), recomputed by the training model: the ratio starts at exactly 1. With one
+        # optimizer step per pass, the first pass runs on the sampling weights, and its forward gives them.
+        # --- algorithm: the KL reward needs the old log-probs before the update; nothing else does ---
+        old_from_update = args.num_minibatches == 1 and ref_policy is None
+        # ---
         with timed(times, "logprobs"):
-            b_old_logprobs = rollout_logprobs(model, b_rollout, args.temperature, args.micro_batch_size)  # (B, T)
+            b_old_logprobs = (torch.zeros_like(b_response_mask) if old_from_update  # (B, T), filled in by pass 1
+                              else rollout_logprobs(model, b_rollout, args.temperature, args.micro_batch_size))
             # --- algorithm: the reference model's log-probs, for the KL penalty, and the critic's old values ---
             b_ref_logprobs = None
             if ref_policy is not None:
@@ -510,10 +515,6 @@ def main(args: Args) -> None:
                                  b_rollout.prompt_length)
                     for i in range(0, len(b_ids), args.micro_batch_size)])  # (B, T)
             # ---
-        # --- algorithm: the sampler guard, on the completions this policy sampled ---
-        # Were they drawn from the distribution the loss assumes? (the gap is ~1e-6 in fp32)
-        metrics.update(sampler_logprob_gap(b_rollout.sampler_logprobs, b_old_logprobs, b_rollout.response_mask))
-        # ---
 
         # --- algorithm: 4. advantages, after the log-probs and values they need: per-token rewards (the score at
         # the end, the KL penalty on every token), GAE, whitened over the whole batch (sums over ranks)
@@ -538,7 +539,7 @@ def main(args: Args) -> None:
         with timed(times, "update"):
             minibatch_size = max(1, -(-len(b_ids) // args.num_minibatches))  # ceil: DAPO and GVPO resize the batch
             update_metrics = []
-            for _ in range(args.updates_per_rollout):
+            for epoch in range(args.updates_per_rollout):
                 # --- algorithm: the minibatches: a fresh shuffle of the sequences each pass ---
                 b_order = torch.randperm(len(b_ids), device=device)
                 # ---
@@ -553,6 +554,8 @@ def main(args: Args) -> None:
                         with no_sync(wrapped.values(), last=k == len(micro_batches) - 1):
                             logprobs, entropy = get_logprobs(model, b_ids[idx], b_attention_mask[idx],
                                                              b_rollout.prompt_length, args.temperature)
+                            if old_from_update and epoch == 0:  # the sampling weights: the ratio is exactly 1
+                                b_old_logprobs[idx] = logprobs.detach()
                             # --- algorithm: the PPO loss: clipped surrogate and clipped value loss ---
                             values = critic_model(b_ids[idx], b_attention_mask[idx], b_rollout.prompt_length)  # (b, T)
                             loss, mb_metrics = compute_loss(
@@ -579,6 +582,11 @@ def main(args: Args) -> None:
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                     update_metrics.append({"policy/grad_norm": grad_norm})
+
+        # --- algorithm: the sampler guard, on the completions this policy sampled ---
+        # Were they drawn from the distribution the loss assumes? (the gap is ~1e-6 in fp32)
+        metrics.update(sampler_logprob_gap(b_rollout.sampler_logprobs, b_old_logprobs, b_rollout.response_mask))
+        # ---
 
         # 7. log, evaluate, checkpoint
         metrics.update({**rollout_metrics(rewards, components, rollout), **mean_metrics(update_metrics)})

@@ -212,3 +212,32 @@ def test_every_file_logs_the_sampler_gap(tmp_path, algo):
     assert result.returncode == 0, result.stderr
     for m in read_metrics(tmp_path / "gap"):
         assert 0 <= m["policy/sampler_logprob_gap"] <= m["policy/sampler_logprob_gap_max"] <= 1e-4, m
+
+
+@pytest.mark.parametrize("algo, flags, policy_passes", [
+    *[(algo, [], 1 if algo == "ppo" else 0) for algo in ALGORITHMS],  # PPO's KL reward needs them first (beta 0.05)
+    ("ppo", ["--beta", "0"], 0),
+    ("rloo", ["--beta", "0.05"], 1),  # so does RLOO's, when it has one (its default beta is 0)
+    ("grpo", ["--num-minibatches", "2"], 1),  # the second optimizer step of a pass runs on updated weights
+])
+def test_the_first_pass_gives_the_old_logprobs(tmp_path, monkeypatch, algo, flags, policy_passes):
+    """With one optimizer step per pass, the first pass runs on the sampling weights, so its forward gives the
+    old log-probs and no no-grad pass of the policy is needed. The logged sampler gap is computed from them:
+    a wrong or missing one (zeros) would put it at the log-probs' size, ~1, not ~1e-6."""
+    import importlib
+
+    from common import cli
+
+    module, calls = importlib.import_module(algo), []
+    real = module.rollout_logprobs
+
+    def recording(model, *args, **kwargs):
+        calls.append(any(p.requires_grad for p in model.parameters()))  # the policy; the reference model is frozen
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(module, "rollout_logprobs", recording)
+    module.main(cli(module.Args, args=["--num-steps", "2", "--prompts-per-step", "4", "--group-size", "4",
+                                       "--eval-every", "0", "--output-dir", str(tmp_path), "--run-name", "r", *flags]))
+    assert sum(calls) == 2 * policy_passes, calls  # per step
+    for m in read_metrics(tmp_path / "r"):
+        assert m["policy/sampler_logprob_gap_max"] <= 1e-4, m
