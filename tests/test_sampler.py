@@ -2,10 +2,13 @@
 whatever a checkpoint's generation_config.json holds; the trainer's log-probs reproduce that
 distribution (soft-capped and scaled logits, dropout off in every form); every file logs the gap.
 
-The sampler's distribution is measured independently of common.py: transformers' own record of the
-scores it sampled from (`output_scores`, taken after every logits processor and warper it applied)."""
+The sampler's distribution is measured independently of common.py's record of it: from transformers'
+own record of the logits the model gave (`output_logits`, before any logits processor) and of the scores
+its greedy step took the tokens from (`output_scores`, after every processor: one-hot at the token
+`Sampler` drew, when nothing ran after it); `Sampler`'s draw itself is checked against softmax by counting."""
 
 import json
+import math
 import shutil
 
 import pytest
@@ -25,24 +28,30 @@ HOSTILE_GENERATION_CONFIG = {"repetition_penalty": 1.1, "min_p": 0.1, "no_repeat
 
 
 def generate_with_sampler_scores(model, tokenizer, prompts, group_size, max_new_tokens, temperature):
-    """common.generate, plus log p(token) under the scores transformers really sampled from: (rollout, (B, L))."""
+    """common.generate, plus log p(token) under softmax(logits / T) of the logits transformers recorded: (rollout,
+    (B, L)). Checks that the step took each token from scores that allow only that token, so that nothing
+    after the sampler changed the draw."""
     real, seen = model.generate, {}
 
-    def generate_recording_scores(*args, **kwargs):
-        out = real(*args, **kwargs, output_scores=True, return_dict_in_generate=True)
-        seen["scores"] = out.scores
+    def generate_recording(*args, **kwargs):
+        out = real(*args, **kwargs, output_logits=True, output_scores=True, return_dict_in_generate=True)
+        seen.update(logits=out.logits, scores=out.scores)
         return out.sequences
 
-    model.generate = generate_recording_scores
+    model.generate = generate_recording
     try:
         rollout = generate(model, tokenizer, prompts, group_size, max_new_tokens, temperature)
     finally:
         del model.generate
     L = rollout.response_mask.shape[1]
-    scores = torch.stack(seen["scores"][:L], 1).float()  # (B, L, V): small models only
     response = rollout.input_ids[:, rollout.prompt_length :]
-    sampled = scores.log_softmax(-1).gather(-1, response[..., None]).squeeze(-1)
-    return rollout, torch.where(rollout.response_mask.bool(), sampled, 0.0)
+    mask = rollout.response_mask.bool()
+    scores = torch.stack(seen["scores"][:L], 1)  # (B, L, V): small models only
+    one_hot = (scores.argmax(-1) == response) & (torch.isinf(scores).sum(-1) == scores.shape[-1] - 1)
+    assert one_hot[mask].all()
+    logits = torch.stack(seen["logits"][:L], 1).float() / temperature
+    sampled = logits.log_softmax(-1).gather(-1, response[..., None]).squeeze(-1)
+    return rollout, torch.where(mask, sampled, 0.0)
 
 
 def check_sampler_matches_trainer(model, tokenizer, temperature: float):
@@ -57,6 +66,27 @@ def check_sampler_matches_trainer(model, tokenizer, temperature: float):
     recorded = (rollout.sampler_logprobs - sampler)[mask].abs()
     assert recorded.max() <= 1e-5, recorded.max()
     return rollout
+
+
+def test_the_sampler_draws_from_the_softmax_of_the_scores_over_the_temperature():
+    """400,000 draws at once from logits whose softmax at T = 0.5 is (0.64, 0.24, 0.087, 0.032, 0.012, 0):
+    each token's count is within 5 standard deviations of 400,000 p, the -inf token is never drawn, and
+    the recorded log-prob is log p of the drawn token. A draw from the logits without the temperature,
+    (0.43, 0.26, 0.16, 0.096, 0.058), is 100+ standard deviations off."""
+    from common import Sampler
+
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -math.inf])
+    probs = (logits / 0.5).softmax(-1)
+    torch.manual_seed(0)
+    sampler, n = Sampler(0.5), 400_000
+    scores = sampler(torch.zeros(n, 1, dtype=torch.long), logits.expand(n, -1).clone())
+    tokens = scores.argmax(-1)
+    assert (scores.gather(-1, tokens[:, None]) == 0).all() and (torch.isinf(scores).sum(-1) == 5).all()
+    counts = torch.bincount(tokens, minlength=6).double()
+    sd = (n * probs * (1 - probs)).sqrt().clamp(min=1e-9)
+    assert ((counts - n * probs).abs() <= 5 * sd).all(), (counts / n, probs)
+    assert counts[5] == 0
+    torch.testing.assert_close(sampler.logprobs[0], probs.log()[tokens].float())
 
 
 @pytest.fixture(scope="module")
