@@ -340,16 +340,18 @@ class Sampler(LogitsProcessor):
 
 
 class FewRowLinear(TorchFunctionMode):
-    """Inside, F.linear(x, W) runs as (W x^T)^T: the same products, in the layout MKL runs fast for few
-    rows. At 16 rows, a decode step's, x W^T reaches ~60 GFLOP/s on 2 CPU cores and (W x^T)^T ~110 (the
-    LM head of a 151,936-token vocabulary: 175 against 103 ms a step). `generate` uses it on CPU."""
+    """Inside, F.linear(x, W) of at most 64 rows runs as (W x^T)^T: the same products, in the layout MKL
+    runs fast for few rows. At 16 rows, a decode step's, x W^T reaches ~60 GFLOP/s on 2 CPU cores and
+    (W x^T)^T ~110 (the LM head of a 151,936-token vocabulary: 175 against 103 ms a step); with many rows
+    x W^T is as fast or faster. `generate` uses it on CPU."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is not F.linear:
+        rows = args[0].numel() // args[0].shape[-1] if func is F.linear else 0
+        if not 0 < rows <= 64:  # not a linear, or enough rows for x W^T (the prompt's forward)
             return func(*args, **(kwargs or {}))
         x, weight, *rest = args
         bias = rest[0] if rest else (kwargs or {}).get("bias")
-        y = torch.mm(weight, x.reshape(-1, x.shape[-1]).T).T.contiguous().view(*x.shape[:-1], weight.shape[0])
+        y = torch.mm(weight, x.reshape(rows, x.shape[-1]).T).T.contiguous().view(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
 
 
