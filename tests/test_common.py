@@ -305,3 +305,28 @@ def test_peak_memory_is_this_process_own(tmp_path):
                          cwd=Path(__file__).resolve().parent.parent)
     del held
     assert 0.05 < float(out.stdout) < 1.5, out.stdout  # torch imported: a few hundred MB, not 2 GiB
+
+
+def test_few_row_linear_computes_the_same_products(monkeypatch):
+    """Inside FewRowLinear, F.linear of up to 64 rows is (W x^T)^T: equal to x W^T + b to float rounding, for
+    2-D and 3-D inputs, with the bias positional, by keyword or absent, and in nn.Linear; more rows run
+    F.linear itself."""
+    import torch.nn.functional as F
+
+    from common import FewRowLinear
+
+    products, mm = [], torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: products.append(a.shape) or mm(a, b))
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(7, 9, dtype=torch.float64).requires_grad_(False)
+    weight, bias = layer.weight, layer.bias
+    for x, transposed in ((torch.randn(3, 5, 7, dtype=torch.float64), True),
+                          (torch.randn(64, 7, dtype=torch.float64), True),
+                          (torch.randn(65, 7, dtype=torch.float64), False)):
+        expected, products[:] = x @ weight.T + bias, []
+        with FewRowLinear():
+            got = [F.linear(x, weight, bias), F.linear(x, weight, bias=bias), F.linear(x, weight) + bias, layer(x)]
+        assert products == [weight.shape] * 4 if transposed else products == []
+        for y in got:
+            assert y.shape == expected.shape
+            torch.testing.assert_close(y, expected)
