@@ -447,10 +447,13 @@ def get_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
     (B, P+L) ids and mask -> logprobs (B, L) in fp32, entropy (B, L) without gradient (None unless
     `entropy`); both are 0 after EOS.
     The logit at position t predicts token t+1, so response tokens are scored from the hidden states
-    at columns P-1 .. P+L-2. The vocabulary projection runs in chunks of `chunk_size` positions, so the
-    full (B, L, V) log-softmax never exists at once; by default a chunk holds 2^25 logits (128 MB in
-    fp32: 220 positions of a 151,936-token vocabulary). With gradients, each chunk's logits are kept for
-    the backward pass, or recomputed there when B x L x V is above `recompute_above` (512 MB in fp32)."""
+    at columns P-1 .. P+L-2. With gradients and B x L x V up to `recompute_above` logits (512 MB in
+    fp32), the logits are kept for the backward pass and computed in one product: all of them are in
+    memory anyway, and one product, with one LM-head weight gradient, is faster than one per chunk
+    (benchmarks/update_parts.py). Otherwise the vocabulary projection runs in chunks of `chunk_size`
+    positions, so the full (B, L, V) log-softmax never exists at once, and with gradients each chunk is
+    recomputed in the backward pass; by default a chunk holds 2^25 logits (128 MB in fp32: 220
+    positions of a 151,936-token vocabulary)."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens start at 0
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 output_hidden_states=True, logits_to_keep=1, use_cache=False)
@@ -459,8 +462,9 @@ def get_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
     B, L, H = hidden.shape
     hidden, targets = hidden.reshape(B * L, H), targets.reshape(B * L)
     vocab_size = unwrap(model).get_output_embeddings().weight.shape[0]
-    chunk_size = chunk_size or max(1, 2**25 // vocab_size)  # positions per chunk
     recompute = torch.is_grad_enabled() and B * L * vocab_size > recompute_above
+    kept = torch.is_grad_enabled() and not recompute
+    chunk_size = chunk_size or (max(1, B * L) if kept else max(1, 2**25 // vocab_size))  # positions per chunk
     logprobs, entropies = [], []
     for i in range(0, B * L, chunk_size):
         args = (hidden[i : i + chunk_size], targets[i : i + chunk_size], model, temperature, entropy)

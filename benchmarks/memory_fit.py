@@ -14,8 +14,9 @@ micro-batch; L layers, hidden H, MLP width I, vocabulary V):
     activations  = L b s a   without checkpointing,   L b s H w + b s a   with it,
                    a = (12 H + 4 I) w per token and layer (what autograd saves in a Qwen layer with
                    SDPA attention: measured by --check with saved-tensor hooks), + 0.8 GB for the
-                   chunked log-prob head (benchmarks/logprob_memory.py), + 4 b s V when b s V <= 2^27
-                   (get_logprobs then keeps the logits for the backward instead of recomputing them)
+                   chunked log-prob head (benchmarks/logprob_memory.py), or 24 b s V when b s V <= 2^27
+                   (get_logprobs then keeps the logits for the backward, in one product instead of
+                   chunks: the logits and their temporaries, as a chunk's)
     KV cache     = 2 L n_kv d_head (P + T) w per sequence, for the rank's whole rollout while sampling
     peak         = static + max(KV cache, activations)
 Not counted: the CUDA context and allocator fragmentation (keep ~10% free), a reward model or critic
@@ -154,10 +155,10 @@ def measure_one(layers: int, hidden: int, intermediate: int, batch: int, seq: in
     optimizer.step()
     measured = peak_rss_bytes() - base
     shape = Shape("tiny", layers, hidden, intermediate, 4, 2, vocab=vocab)
-    logprob_head = 6 * min(batch * seq, 2**25 // vocab) * vocab * 4  # a chunk's logits and their temporaries
-    if batch * seq * vocab <= inspect.signature(get_logprobs).parameters["recompute_above"].default:
-        # below get_logprobs' threshold the logits are kept for the backward, not recomputed
-        logprob_head += 4 * batch * seq * vocab
+    # a chunk's logits and their temporaries; below get_logprobs' threshold one chunk holds them all, kept for
+    # the backward
+    kept = batch * seq * vocab <= inspect.signature(get_logprobs).parameters["recompute_above"].default
+    logprob_head = 6 * (batch * seq if kept else min(batch * seq, 2**25 // vocab)) * vocab * 4
     predicted = peak_bytes(shape, False, 1, checkpointing, batch, seq, 0, w=4, logprob_head=logprob_head)
     print(f"{measured / GB:.4f} {predicted / GB:.4f} {shape.params}")
 

@@ -1,8 +1,9 @@
 """Seconds of the update's heavy parts at a Qwen3-0.6B-like shape (vocabulary 151,936, hidden 1,024), each
 with and without what common.get_logprobs and the files' optimizer line do to make it cheaper:
 
-- the log-prob head, forward + backward: each chunk's logits kept for the backward (get_logprobs' choice when
-  B x T x V <= 2^27) against recomputed there (`recompute_above=0`, its choice above that size);
+- the log-prob head, forward + backward: the logits kept for the backward and computed in one product
+  (get_logprobs' choice when B x T x V <= 2^27) against kept in chunks of 2^25 logits, and against
+  those chunks recomputed in the backward (`recompute_above=0`, its choice above that size);
 - a no-grad pass (the old and reference log-probs): without the entropy, which those passes do not read,
   against with it;
 - one AdamW step over the model's parameters: fused=True against torch's default.
@@ -55,9 +56,12 @@ def in_turns(variants: dict[str, callable], repeats: int) -> dict[str, list[floa
 
 
 def report(part: str, times: dict[str, list[float]]) -> None:
-    (a, ta), (b, tb) = times.items()
-    print(f"{part}: {a} {statistics.median(ta):.3f} s ({min(ta):.3f}-{max(ta):.3f}), {b} {statistics.median(tb):.3f} s "
-          f"({min(tb):.3f}-{max(tb):.3f}); {a} / {b} = {statistics.median(ta) / statistics.median(tb):.2f}", flush=True)
+    """The median and range of each variant, and the first one's median over each other's."""
+    (a, ta), *others = times.items()
+    print(f"{part}: " + ", ".join(f"{name} {statistics.median(t):.3f} s ({min(t):.3f}-{max(t):.3f})"
+                                  for name, t in times.items())
+          + "; " + ", ".join(f"{a} / {b} = {statistics.median(ta) / statistics.median(tb):.2f}" for b, tb in others),
+          flush=True)
 
 
 def main(args: Args) -> None:
@@ -77,12 +81,14 @@ def main(args: Args) -> None:
           f"response tokens: {logits:,} logits ({'kept' if kept else 'recomputed'} by default); "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters; {torch.get_num_threads()} threads")
 
-    def head(recompute_above: int):
-        logprobs, _ = get_logprobs(model, ids, mask, args.prompt, 1.0, recompute_above=recompute_above)
+    def head(recompute_above: int, chunk_size=None):
+        logprobs, _ = get_logprobs(model, ids, mask, args.prompt, 1.0, chunk_size, recompute_above=recompute_above)
         logprobs.sum().backward()
 
-    report("log-prob head, forward + backward", in_turns({"kept": lambda: head(2**62), "recomputed": lambda: head(0)},
-                                                         args.repeats))
+    chunk = 2**25 // args.vocab
+    report("log-prob head, forward + backward", in_turns({
+        "kept, one product": lambda: head(2**62), "kept in chunks": lambda: head(2**62, chunk),
+        "chunks recomputed": lambda: head(0)}, args.repeats))
 
     def no_grad_pass(entropy: bool):
         with torch.no_grad():

@@ -141,8 +141,12 @@ def naive_logprobs(model, ids, attention, P, T):
     return logprobs.gather(-1, ids[:, P:, None]).squeeze(-1) * attention[:, P:]
 
 
-@pytest.mark.parametrize("recompute_above", [0, 2**27])  # chunks recomputed in the backward pass, or kept
-def test_chunked_logprobs_and_gradients_equal_full_log_softmax(model, tokenizer, recompute_above):
+@pytest.mark.parametrize("recompute_above, chunk_size", [
+    (0, 5),  # chunks recomputed in the backward pass
+    (2**27, 5),  # chunks kept for it
+    (2**27, None),  # kept, in one product (the default below the threshold)
+])
+def test_chunked_logprobs_and_gradients_equal_full_log_softmax(model, tokenizer, recompute_above, chunk_size):
     model = copy.deepcopy(model).double()  # float64, so that only a real difference shows
     torch.manual_seed(0)
     prompts = [format_prompt(tokenizer, p, True) for p in ("1+2", "45+67")]
@@ -151,7 +155,7 @@ def test_chunked_logprobs_and_gradients_equal_full_log_softmax(model, tokenizer,
     (expected * torch.arange(expected.numel()).view_as(expected)).sum().backward()
     expected_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    logprobs, _ = get_logprobs(model, r.input_ids, r.attention_mask, r.prompt_length, 1.3, chunk_size=5,
+    logprobs, _ = get_logprobs(model, r.input_ids, r.attention_mask, r.prompt_length, 1.3, chunk_size=chunk_size,
                                recompute_above=recompute_above)
     torch.testing.assert_close(logprobs, expected, atol=1e-12, rtol=0)
     (logprobs * torch.arange(logprobs.numel()).view_as(logprobs)).sum().backward()
