@@ -13,6 +13,10 @@ What it runs, each timed after a warm-up:
 2. the update: grpo.py's loss (`grpo.compute_loss`) on log-probs from `common.get_logprobs`, backward
    over micro-batches, gradient clipping and an AdamW step on the whole batch, as grpo.py does it
    (bf16 weights on GPU, as `--dtype auto`).
+3. with trl installed (pip install -r benchmarks/requirements.txt): grpo.py's whole rounds against TRL's
+   GRPOTrainer at this shape, both loaded and taking turns (benchmarks/lockstep.py's `compare`, on
+   the built-in task's prompts of ~24 tokens, the same random model saved to a temporary folder):
+   each one's seconds per round, grpo.py's split (generation, log-probs, update) and the ratio.
 MFU = model FLOPs of the update / time / peak FLOPs. Model FLOPs (`update_flops`) count the
 matmuls of forward + backward (x3 of the forward): 2 x the non-embedding weights per token, the
 causal attention scores and values (half of the full T x T, as flash kernels skip the masked half)
@@ -20,7 +24,10 @@ and the LM head on the response tokens only (get_logprobs applies it to those); 
 not counted. --peak-tflops defaults to 989, the dense bf16 peak of an H100/H200 SXM.
 """
 
+import importlib.util
 import json
+import math
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +114,23 @@ def update(model, optimizer, ids: torch.Tensor, prompt_length: int, micro_batch_
     return grad_norm.item()
 
 
+def against_trl(config, dtype, args) -> dict:
+    """grpo.py's rounds against TRL's at this shape, in turns (benchmarks/lockstep.py): the figures."""
+    from benchmarks.lockstep import Shape, compare, print_comparison, save_with_offline_tokenizer
+
+    batch = args.prompts * args.group_size  # the files' micro-batch must divide it
+    shape = Shape(args.prompts, args.group_size, args.new_tokens, math.gcd(args.micro_batch_size, batch))
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        save_with_offline_tokenizer(AutoModelForCausalLM.from_config(config, dtype=dtype), Path(tmp) / "model")
+        result = compare("grpo", "trl", str(Path(tmp) / "model"), shape, args.trl_rounds, args.trl_warmup, [], 1,
+                         str(Path(tmp) / "runs"))
+    print_comparison(result, shape, args.trl_rounds, args.trl_warmup)
+    grpo_round, trl_round = result["this"], result["other"]
+    return {"grpo_round_s": grpo_round["median_s"], "trl_round_s": trl_round["median_s"], "trl_ratio": result["ratio"],
+            **{f"grpo_round_{k}": v for k, v in grpo_round.items() if k in ("gen_s", "logprobs_s", "update_s")}}
+
+
 @dataclass
 class Args:
     config: str = "qwen3-0.6b"
@@ -124,6 +148,11 @@ class Args:
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     out: Optional[Path] = None
     """also write the figures to this JSON file"""
+    trl: bool = True
+    """3. the rounds against TRL's GRPOTrainer, when trl is installed"""
+    trl_rounds: int = 2
+    """timed rounds of each trainer in that comparison (a multiple of 2)"""
+    trl_warmup: int = 1
 
 
 def main(args: Args) -> None:
@@ -165,6 +194,13 @@ def main(args: Args) -> None:
           + (f", MFU {figures['mfu']:.1%} of {args.peak_tflops:.0f} TFLOP/s, peak "
              f"{figures['update_peak_mem_gb']:.1f} GB (generation: {figures['gen_peak_mem_gb']:.1f} GB)"
              if device.type == "cuda" else " (no MFU on CPU)"), flush=True)
+    if args.trl and importlib.util.find_spec("trl") is None:
+        print("grpo.py against TRL: skipped, trl is not installed (pip install -r benchmarks/requirements.txt)")
+    elif args.trl:
+        del model, optimizer, sequences
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        figures.update(against_trl(config, dtype, args))
     line = json.dumps({"config": args.config, "device": str(device), "batch": batch, **figures})
     print(line)
     if args.out:

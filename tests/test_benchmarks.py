@@ -133,13 +133,34 @@ def test_gpu_recipe_flop_count_matches_torch_flop_counter(recompute_above):
     assert update_flops(config, B, P + L, L) < expected  # causal: half the attention
 
 
-def test_trl_comparison_runs_when_trl_is_installed():
+def lockstep(*args: str) -> dict:
+    result = run(["-m", "benchmarks.lockstep", "--rounds", "2", "--warmup", "1", *args], cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert "| grpo.py (this checkout) | " in result.stdout and "| whole round | " in result.stdout
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def test_lockstep_against_another_checkout_runs():
+    """This checkout against itself (as --against): two workers of the same code take turns, so the ratio
+    is about 1; the file's split adds up to less than its round, and its phases were counted."""
+    figures = lockstep("--against", str(ROOT), "--flags=--micro-batch-size 128")
+    assert 0.5 < figures["ratio"] < 2, figures
+    for side in ("this", "other"):
+        s = figures[side]
+        assert 0 < s["gen_s"] + s["logprobs_s"] + s["update_s"] < s["median_s"] * 1.01, s
+    assert figures["gflop"]["update"] > figures["gflop"]["gen"] > 0
+
+
+def test_lockstep_against_trl_runs_when_trl_is_installed():
     """Skipped without trl (an optional, benchmark-only dependency): pip install -r benchmarks/requirements.txt."""
     pytest.importorskip("trl")
-    result = run(["-m", "benchmarks.step_time", "--steps", "3", "--files", "grpo", "--no-scaling",
-                  "--extra=--prompts-per-step 4 --group-size 4"], cwd=ROOT)
-    assert result.returncode == 0, result.stderr
-    assert "grpo.py / TRL = " in result.stdout
+    figures = lockstep()
+    assert figures["other"]["rollout_s"] < figures["other"]["median_s"] and 0.1 < figures["ratio"] < 10, figures
+
+
+def test_lockstep_stops_on_a_bad_against(tmp_path):
+    result = run(["-m", "benchmarks.lockstep", "--against", str(tmp_path)], cwd=ROOT)
+    assert result.returncode != 0 and "neither 'trl' nor a folder with grpo.py" in result.stderr
 
 
 def test_real_model_recipe_runs_at_a_tiny_shape(tmp_path):

@@ -1,0 +1,401 @@
+"""Two trainers loaded side by side, taking turns one rollout round at a time: an algorithm file against
+TRL's GRPOTrainer at the file's configuration, or against the same file in another checkout (before and
+after a change). Separate runs on a shared machine drift by more than the differences worth measuring;
+rounds taken in turns (A B B A ...) see the same machine, and the ratio of each round to its neighbour
+cancels slow drifts.
+
+    python -m benchmarks.lockstep                               # from the repo root: grpo.py against TRL
+    python -m benchmarks.lockstep --shape realistic             # a Qwen3-0.6B-shaped model, 4 layers
+    python -m benchmarks.lockstep --file dapo --against /tmp/before   # dapo.py here against another checkout's
+
+Shapes (fp32 on CPU, `--dtype auto`):
+- default: the offline default, 32 prompts x 8 completions, 8 new tokens (the task's answers end with
+  EOS after ~3.5 tokens);
+- realistic: Qwen/Qwen3-0.6B's config with 4 of its 28 layers (218.5M parameters, vocabulary 151,936,
+  tied embeddings) and random weights, written to a temporary folder with the offline tokenizer: 4
+  prompts x 4 completions, 32 new tokens (random weights almost never sample EOS, so all 32 are drawn).
+Both sample at T=1 without top-k or top-p and take 2 updates per rollout on the whole batch, with beta
+0.04 and a reference model, learning rate 2e-4, gradient clipping at 1.0. TRL runs with
+`gradient_checkpointing=False` and, on CPU, `bf16=False` (it turns both on by default),
+`loss_type="grpo"`, `num_iterations=2`, the same prompts (`data.format_prompt`, chat template) and
+reward (`rewards.score`); `pip install -r benchmarks/requirements.txt` installs it. On a GPU,
+benchmarks/gpu_recipe.py runs the same comparison at its own shape (`compare`).
+
+A round is one training step: sampling, scoring, old and reference log-probs, the updates and the
+step's logging. Each trainer runs in its own process (its own threads and random state); only one
+works at a time, the other waits. Printed: each trainer's median seconds per round and the range, the
+split of the file's round (generation, log-probs, update; TRL's: generating and scoring, with its
+log-probs, and the rest), FLOP/s of the file's phases against this machine's fp32 matmul rate
+(measured after the runs), and the ratio: the median of each round's time over its neighbour's in the other
+trainer, with the range. The last line is the same as JSON. Not a test: figures depend on the machine.
+"""
+
+import contextlib
+import importlib
+import json
+import multiprocessing
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import tyro
+
+ROOT = Path(__file__).resolve().parent.parent
+# Nothing of the project is imported at the top: a worker imports the algorithm file of its own checkout.
+
+UPDATES_PER_ROLLOUT, LEARNING_RATE, BETA = 2, 2e-4, 0.04  # grpo.py's defaults
+
+
+def realistic_model(folder: Path) -> None:
+    """Qwen3-0.6B's architecture with 4 layers and random weights (seed 0), with the offline tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from benchmarks.gpu_recipe import QWEN3_0_6B
+
+    torch.manual_seed(0)
+    save_with_offline_tokenizer(AutoModelForCausalLM.from_config(Qwen3Config(**{**QWEN3_0_6B, "num_hidden_layers": 4})),
+                                folder)
+
+
+def save_with_offline_tokenizer(model, folder: Path) -> None:
+    """`model` saved to `folder` with the offline default's tokenizer and generation config (EOS, pad): a
+    model folder every trainer can load without the Hub. Ids past the tokenizer's 52 decode to nothing."""
+    from transformers import GenerationConfig
+
+    model.generation_config = GenerationConfig.from_pretrained(ROOT / "tiny_model")
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(ROOT / "tiny_model" / name, folder / name)
+
+
+class Stop(Exception):
+    """Raised in a worker told to stop: its run ends there, after its last timed round."""
+
+
+class Turns:
+    """A worker's side of the turn-taking: `ready()` once loaded, then `done(figures)` after each round;
+    each blocks until the controller says the worker's next round may start."""
+
+    def __init__(self, conn):
+        self.conn, self.start = conn, 0.0
+
+    def _wait(self) -> None:
+        if self.conn.recv() == "stop":
+            raise Stop
+        self.start = time.perf_counter()
+
+    def ready(self) -> None:
+        self.conn.send(("ready", None))
+        self._wait()
+
+    def done(self, figures: dict) -> None:
+        self.conn.send(("round", {"round_s": time.perf_counter() - self.start, **figures}))
+        self._wait()
+
+
+def file_worker(conn, root: str, file: str, flags: list[str]) -> None:
+    """Runs `<root>/<file>.py`'s main with `flags`, one step per turn: the turn starts when its Logger
+    exists and ends when a step's metrics are logged. Also reports the step's `perf/*` split and the batch
+    shapes (rows, prompt width, response width) it sampled and scored without gradient."""
+    sys.stdout = open(os.devnull, "w")  # the run's progress lines; errors still go to stderr
+    sys.path.insert(0, root)
+    module = importlib.import_module(file)
+    turns, logger_class, shapes = Turns(conn), module.Logger, {"generated": [], "scored": []}
+    init, log, generate, rollout_logprobs = logger_class.__init__, logger_class.log, module.generate, None
+
+    def generate_recording(*args, **kwargs):
+        rollout = generate(*args, **kwargs)
+        shapes["generated"].append((len(rollout.input_ids), rollout.prompt_length, rollout.response_mask.shape[1]))
+        return rollout
+
+    def rollout_logprobs_recording(model, rollout, *args, **kwargs):
+        shapes["scored"].append((len(rollout.input_ids), rollout.prompt_length, rollout.response_mask.shape[1]))
+        return rollout_logprobs(model, rollout, *args, **kwargs)
+
+    def init_then_wait(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        turns.ready()
+
+    def log_then_wait(self, step, metrics):
+        log(self, step, metrics)
+        figures = {key.removeprefix("perf/"): value for key, value in metrics.items() if key.startswith("perf/")}
+        turns.done({**figures, **{k: v.copy() for k, v in shapes.items()}})
+        for recorded in shapes.values():
+            recorded.clear()
+
+    logger_class.__init__, logger_class.log, module.generate = init_then_wait, log_then_wait, generate_recording
+    if hasattr(module, "rollout_logprobs"):
+        rollout_logprobs, module.rollout_logprobs = module.rollout_logprobs, rollout_logprobs_recording
+    with contextlib.suppress(Stop):
+        module.main(module.cli(module.Args, flags))
+
+
+def trl_worker(conn, model: str, shape: "Shape", rounds: int, seed: int) -> None:
+    """TRL's GRPOTrainer at grpo.py's configuration, one rollout round (UPDATES_PER_ROLLOUT optimizer
+    steps) per turn; reports the seconds spent generating and scoring (with the old and reference
+    log-probs: TRL computes them there). The whole batch is sampled at once and each optimizer step
+    accumulates it in micro-batches of `shape.micro_batch_size`, as the files do; bf16 weights on GPU
+    (`--dtype auto`), fp32 on CPU."""
+    sys.stdout = open(os.devnull, "w")
+    sys.path.insert(0, str(ROOT))
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from data import builtin_splits, format_prompt
+    from models import load_tokenizer
+    from rewards import score
+
+    tokenizer = load_tokenizer(model, "--model")
+    train_set, _ = builtin_splits()
+    dataset = Dataset.from_list([{"prompt": format_prompt(tokenizer, e["prompt"], True), "answer": e["answer"]}
+                                 for e in train_set])
+
+    def reward(prompts, completions, answer, **kwargs):
+        return score(prompts, completions, answer, exact=True)[0].tolist()
+
+    turns, seconds = Turns(conn), {"rollout_s": 0.0}
+
+    class EachRound(TrainerCallback):
+        def on_train_begin(self, *args, **kwargs):
+            turns.ready()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step % UPDATES_PER_ROLLOUT == 0:
+                turns.done(dict(seconds))
+                seconds["rollout_s"] = 0.0
+
+    batch = shape.prompts_per_step * shape.group_size
+    micro_batch = shape.micro_batch_size or batch
+    gpu = torch.cuda.is_available()
+    with tempfile.TemporaryDirectory() as out:
+        config = GRPOConfig(
+            output_dir=out, report_to="none", save_strategy="no", logging_steps=10**6, seed=seed,
+            max_steps=(rounds + 1) * UPDATES_PER_ROLLOUT, per_device_train_batch_size=micro_batch,
+            gradient_accumulation_steps=batch // micro_batch, steps_per_generation=batch // micro_batch,
+            num_iterations=UPDATES_PER_ROLLOUT, num_generations=shape.group_size,
+            max_completion_length=shape.max_new_tokens, temperature=1.0,
+            top_k=0, top_p=1.0, learning_rate=LEARNING_RATE, lr_scheduler_type="constant", warmup_steps=0,
+            weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
+            epsilon=0.2, beta=BETA, scale_rewards="group", loss_type="grpo", mask_truncated_completions=False,
+            bf16=gpu, fp16=False, gradient_checkpointing=False, use_cpu=not gpu,
+            dataloader_num_workers=0, disable_tqdm=True, log_completions=False)
+        policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16 if gpu else torch.float32)
+        trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=config, train_dataset=dataset,
+                              processing_class=tokenizer, callbacks=[EachRound()])
+        rollout = trainer._generate_and_score_completions
+
+        def rollout_timed(*args, **kwargs):
+            start = time.perf_counter()
+            result = rollout(*args, **kwargs)
+            seconds["rollout_s"] += time.perf_counter() - start
+            return result
+
+        trainer._generate_and_score_completions = rollout_timed
+        with contextlib.suppress(Stop):
+            trainer.train()
+
+
+class Worker:
+    """The controller's side: a worker process and its pipe."""
+
+    def __init__(self, name: str, target, *args):
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: its own imports, threads and RNG
+        self.name, (self.conn, child) = name, context.Pipe()
+        self.process = context.Process(target=target, args=(child, *args), daemon=True)
+        self.process.start()
+        self.rounds: list[dict] = []
+
+    def receive(self) -> tuple[str, dict]:
+        try:
+            return self.conn.recv()
+        except EOFError:
+            raise SystemExit(f"error: {self.name} stopped (exit code {self.process.join(5) or self.process.exitcode});"
+                             " its error is printed above") from None
+
+    def run_round(self, timed: bool) -> None:
+        self.conn.send("go")
+        kind, figures = self.receive()
+        if timed:
+            self.rounds.append(figures)
+
+    def stop(self) -> None:
+        self.conn.send("stop")
+        self.process.join(30)
+
+
+def matmul_gflops(size: int = 2048, repeats: int = 10) -> float:
+    """This machine's fp32 matmul rate with torch's threads: the best of `repeats` size^3 products."""
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
+
+
+def phase_gflop(config, rounds: list[dict], updates: int) -> dict[str, float]:
+    """Matmul GFLOP of the phases of a file's median round, from the batch shapes the worker recorded:
+    sampling (each prompt's forward with the LM head on its last position, then each new token against
+    the KV cache), the no-grad log-prob passes and the update (`updates` passes of forward + backward over
+    the sampled batch, x3 the forward), counted as `gpu_recipe.update_flops` counts them."""
+    from benchmarks.gpu_recipe import update_flops
+
+    def forward(rows: int, tokens: int, scored: int) -> float:  # rows x tokens, the LM head on `scored` of them
+        return update_flops(config, rows, tokens, scored) / 3
+
+    def sampling(rows: int, prompt: int, response: int) -> float:  # token t's cost: the forward's growth by one
+        return forward(rows, prompt, 1) + sum(forward(rows, prompt + t, 1) - forward(rows, prompt + t - 1, 0)
+                                              for t in range(1, response))
+
+    totals = []
+    for r in rounds:
+        totals.append({"gen": sum(sampling(*s) for s in r["generated"]),
+                       "logprobs": sum(forward(n, p + L, L) for n, p, L in r["scored"]),
+                       "update": sum(updates * 3 * forward(n, p + L, L) for n, p, L in r["generated"])})
+    return {k: statistics.median(t[k] for t in totals) / 1e9 for k in totals[0]}
+
+
+@dataclass
+class Shape:
+    """A rollout round's size, as the files' flags name it."""
+
+    prompts_per_step: int
+    group_size: int
+    max_new_tokens: int
+    micro_batch_size: Optional[int] = None  # sequences per forward/backward; None: the whole batch
+
+    def flags(self) -> list[str]:
+        return [f for key, value in asdict(self).items() if value is not None
+                for f in (f"--{key.replace('_', '-')}", str(value))]
+
+
+SHAPES = {"default": Shape(32, 8, 8), "realistic": Shape(4, 4, 32)}
+
+
+def compare(file: str, against: str, model: str, shape: Shape, rounds: int, warmup: int, flags: list[str],
+            seed: int, output_dir: str) -> dict:
+    """`<file>.py` of this checkout against TRL (`against="trl"`) or the same file in the checkout at the
+    path `against`, both on `model` at `shape`: `warmup` rounds each in turns, then `rounds` each in
+    blocks of A B B A. Returns each trainer's rounds and figures, and the ratio of neighbouring rounds."""
+    if rounds < 2 or rounds % 2:
+        raise SystemExit(f"error: --rounds {rounds}: must be a positive multiple of 2 (blocks of A B B A)")
+    if against == "trl" and importlib.util.find_spec("trl") is None:
+        raise SystemExit("error: the comparison with TRL needs trl: pip install -r benchmarks/requirements.txt")
+    if against != "trl" and not (Path(against) / f"{file}.py").exists():
+        raise SystemExit(f"error: --against {against}: neither 'trl' nor a folder with {file}.py")
+    flags = ["--model", model, "--seed", str(seed), "--eval-every", "0", "--output-dir", output_dir,
+             "--num-steps", str(warmup + rounds + 1), *shape.flags(), *flags]
+    this = Worker(f"{file}.py", file_worker, str(ROOT), file, [*flags, "--run-name", "this"])
+    if against == "trl":
+        other = Worker("TRL", trl_worker, model, shape, warmup + rounds, seed)
+    else:
+        other = Worker(f"{against}/{file}.py", file_worker, str(Path(against).resolve()), file,
+                       [*flags, "--run-name", "other"])
+    for worker in (this, other):
+        worker.receive()  # loaded, waiting for its first turn
+    for _ in range(warmup):
+        this.run_round(False)
+        other.run_round(False)
+    for _ in range(rounds // 2):
+        for worker in (this, other, other, this):
+            worker.run_round(True)
+    for worker in (this, other):
+        worker.stop()
+    ratios = sorted(x["round_s"] / y["round_s"] for x, y in zip(this.rounds, other.rounds))  # neighbours
+    return {"names": [this.name, other.name], "this": summary(this.rounds), "other": summary(other.rounds),
+            "ratio": statistics.median(ratios), "ratio_min": ratios[0], "ratio_max": ratios[-1],
+            "rounds": this.rounds}
+
+
+def summary(rounds: list[dict]) -> dict:
+    times = [r["round_s"] for r in rounds]
+    figures = {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
+    for key in ("gen_s", "logprobs_s", "update_s", "rollout_s"):
+        if key in rounds[0]:
+            figures[key] = statistics.median(r[key] for r in rounds)
+    return figures
+
+
+def print_comparison(result: dict, shape: Shape, rounds: int, warmup: int) -> None:
+    print(f"\n{shape.prompts_per_step} prompts x {shape.group_size} completions, {shape.max_new_tokens} new "
+          f"tokens; {rounds} timed rounds each after {warmup} warm-up, in turns A B B A")
+    print("| trainer | median s/round | min | max | generation s | log-probs s | update s | sampling + scoring s |")
+    print("|---|---|---|---|---|---|---|---|")
+    names = [result["names"][0] + " (this checkout)", result["names"][1]]
+    for name, s in zip(names, (result["this"], result["other"])):
+        cells = [f"{s[k]:.3f}" if k in s else "-" for k in ("gen_s", "logprobs_s", "update_s", "rollout_s")]
+        print(f"| {name} | {s['median_s']:.3f} | {s['min_s']:.3f} | {s['max_s']:.3f} | {' | '.join(cells)} |")
+    print(f"\n{' / '.join(result['names'])}: {result['ratio']:.3f} per round (median of {rounds} neighbouring "
+          f"rounds; range {result['ratio_min']:.3f}-{result['ratio_max']:.3f})")
+
+
+def print_phases(result: dict, config, peak: float) -> dict[str, float]:
+    """The file's phases in GFLOP/s and as a fraction of the measured matmul rate `peak`."""
+    gflop, a = phase_gflop(config, result["rounds"], UPDATES_PER_ROLLOUT), result["this"]
+    rows, prompt, response = result["rounds"][-1]["generated"][0]
+    print(f"\n{result['names'][0]}'s phases against this machine's fp32 matmul rate, {peak:.0f} GFLOP/s (the best "
+          f"of ten 2048^3 products); {rows} sequences of {prompt} + {response} tokens in the last round; counted for "
+          "a file that trains on what it samples (not DAPO's kept groups, PPO's critic or GVPO's replay):")
+    print("| phase | GFLOP | s | GFLOP/s | of the matmul rate |")
+    print("|---|---|---|---|---|")
+    for phase, key in (("generation", "gen"), ("log-probs (no grad)", "logprobs"), ("update", "update")):
+        seconds = a[f"{key}_s"]
+        print(f"| {phase} | {gflop[key]:.1f} | {seconds:.3f} | {gflop[key] / seconds:.1f} | "
+              f"{gflop[key] / seconds / peak:.0%} |")
+    total = sum(gflop.values())
+    print(f"| whole round | {total:.1f} | {a['median_s']:.3f} | {total / a['median_s']:.1f} | "
+          f"{total / a['median_s'] / peak:.0%} |")
+    return gflop
+
+
+@dataclass
+class Args:
+    file: Literal["grpo", "dapo", "cispo", "gvpo", "ppo", "drgrpo", "gspo", "rloo"] = "grpo"
+    """the algorithm file of this checkout"""
+    against: str = "trl"
+    """'trl' (TRL's GRPOTrainer at grpo.py's configuration), or another checkout's folder: its --file"""
+    shape: Literal["default", "realistic"] = "default"
+    rounds: int = 8
+    """timed rounds of each trainer (a multiple of 2: blocks of A B B A)"""
+    warmup: int = 2
+    """rounds of each trainer before the timed ones, in turns, left out"""
+    flags: str = ""
+    """more flags for the file(s), given last, as --flags="--micro-batch-size 8" (not for TRL)"""
+    seed: int = 1
+
+
+def main(args: Args) -> None:
+    import shlex
+
+    from transformers import AutoConfig
+
+    shape = SHAPES[args.shape]
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(ROOT / "tiny_model")
+        if args.shape == "realistic":
+            model = str(Path(tmp) / "model")
+            realistic_model(Path(model))
+        result = compare(args.file, args.against, model, shape, args.rounds, args.warmup, shlex.split(args.flags),
+                         args.seed, str(Path(tmp) / "runs"))
+        config = AutoConfig.from_pretrained(model)
+    peak = matmul_gflops()  # after the runs: on the machine as they left it
+    print_comparison(result, shape, args.rounds, args.warmup)
+    gflop = print_phases(result, config, peak)
+    print(json.dumps({"shape": args.shape, "file": args.file, "against": args.against,
+                      **{k: v for k, v in result.items() if k != "rounds"}, "matmul_gflops": peak, "gflop": gflop}))
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
