@@ -123,9 +123,21 @@ def test_resume_into_weights_of_other_shapes_stops(tmp_path):
     assert [m["step"] for m in read_metrics(tmp_path / "runs" / "r")] == [0, 1]  # the run as it was
 
 
+SLOW_STEPS = """
+import time
+def reward(prompts, completions, answers):
+    time.sleep(0.5)  # every step takes >= 0.5 s: a Ctrl-C sent when step_2 appears comes long before the end
+    return [0.0] * len(completions)
+"""
+
+
 @pytest.mark.slow
 def test_ctrl_c_says_where_to_resume_and_the_command_works(tmp_path):
-    args = small(tmp_path, "--run-name", "stopped", "--save-every", "2", steps=6)
+    """The run is slowed by its reward, so the Ctrl-C lands in step 3 whatever the test's own scheduling: at
+    ~0.1 s a step, a test process woken late on a loaded machine found the run already finished (rc 0)."""
+    (tmp_path / "slow.py").write_text(SLOW_STEPS)
+    args = small(tmp_path, "--run-name", "stopped", "--save-every", "2",
+                 "--reward-fn", f"{tmp_path / 'slow.py'}:reward", steps=6)
     proc = subprocess.Popen([sys.executable, str(ROOT / args[0]), *args[1:]], cwd=tmp_path, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + 900
