@@ -26,7 +26,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
-from transformers import GenerationConfig, LogitsProcessor
+from transformers import DynamicCache, GenerationConfig, LogitsProcessor
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 
 class UsageError(ValueError):
@@ -425,6 +426,40 @@ def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+def response_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
+                           **forward_kwargs) -> torch.Tensor:
+    """The last hidden states (after the final norm) that score the response tokens: (B, P+L) ids and mask
+    -> (B, L, H), from columns P-1 .. P+L-2 (the state at column t predicts token t+1).
+
+    Rows with the same prompt (a group's G completions, wherever they sit in the batch) share its forward:
+    each distinct prompt runs once with the KV cache, then every row's response tokens run against its
+    prompt's cached keys and values, as in sampling. Attention is causal, so a prompt's states never see
+    the response: the values are those of one forward of the whole rows, and each weight's gradient is
+    the same sum over the rows. With G completions of P prompt and L response tokens per prompt, a
+    forward and backward process P + G L positions instead of G (P + L). The rows run whole when no prompt
+    repeats, under gradient checkpointing in train mode (transformers drops the cache there), and for a
+    model whose cache is not plain keys and values (linear-attention or state-space layers)."""
+    P, hf_model = prompt_length, unwrap(model)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens start at 0
+    prompts, row_prompt = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], 1), dim=0,
+                                       return_inverse=True)  # (N, 2P) distinct prompts; (B,) each row's
+    checkpointed = torch.is_grad_enabled() and hf_model.training and hf_model.is_activation_checkpointing
+    if len(prompts) < len(input_ids) and not checkpointed:
+        prompt_ids, prompt_mask = prompts[:, :P], prompts[:, P:]
+        first = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(-1) - 1).clamp(
+            min=0), use_cache=True, output_hidden_states=True, **forward_kwargs)
+        cache = first.cache
+        if (isinstance(cache, DynamicCache) and all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer)
+                                                    for layer in cache.layers) and cache.get_seq_length() == P):
+            cache.batch_select_indices(row_prompt)  # each row's prompt keys and values; gradients add up over rows
+            rest = model(input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=position_ids[:, P:],
+                         cache=cache, use_cache=True, output_hidden_states=True, **forward_kwargs)
+            return torch.cat([first.hidden_states[-1][row_prompt, -1:], rest.hidden_states[-1][:, :-1]], 1)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                output_hidden_states=True, **forward_kwargs)
+    return out.hidden_states[-1][:, P - 1 : -1]
+
+
 def _token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, model, temperature: float, entropy: bool
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target) and, when `entropy`, the entropy for a chunk of positions: (N, H), (N,) -> (N,), (N,)."""
@@ -446,18 +481,14 @@ def get_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
 
     (B, P+L) ids and mask -> logprobs (B, L) in fp32, entropy (B, L) without gradient (None unless
     `entropy`); both are 0 after EOS.
-    The logit at position t predicts token t+1, so response tokens are scored from the hidden states
-    at columns P-1 .. P+L-2. With gradients and B x L x V up to `recompute_above` logits (512 MB in
-    fp32), the logits are kept for the backward pass and computed in one product: all of them are in
-    memory anyway, and one product, with one LM-head weight gradient, is faster than one per chunk
-    (benchmarks/update_parts.py). Otherwise the vocabulary projection runs in chunks of `chunk_size`
-    positions, so the full (B, L, V) log-softmax never exists at once, and with gradients each chunk is
-    recomputed in the backward pass; by default a chunk holds 2^25 logits (128 MB in fp32: 220
-    positions of a 151,936-token vocabulary)."""
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens start at 0
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                output_hidden_states=True, logits_to_keep=1, use_cache=False)
-    hidden = out.hidden_states[-1][:, prompt_length - 1 : -1]  # (B, L, H), after the final norm
+    The hidden states come from `response_hidden_states` (a prompt that rows share runs once). With
+    gradients and B x L x V up to `recompute_above` logits (512 MB in fp32), the logits are kept for the
+    backward pass and computed in one product: all of them are in memory anyway, and one product, with
+    one LM-head weight gradient, is faster than one per chunk (benchmarks/update_parts.py). Otherwise the
+    vocabulary projection runs in chunks of `chunk_size` positions, so the full (B, L, V) log-softmax
+    never exists at once, and with gradients each chunk is recomputed in the backward pass; by default a
+    chunk holds 2^25 logits (128 MB in fp32: 220 positions of a 151,936-token vocabulary)."""
+    hidden = response_hidden_states(model, input_ids, attention_mask, prompt_length, logits_to_keep=1)  # (B, L, H)
     targets = input_ids[:, prompt_length:]  # (B, L)
     B, L, H = hidden.shape
     hidden, targets = hidden.reshape(B * L, H), targets.reshape(B * L)

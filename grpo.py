@@ -341,11 +341,11 @@ def main(args: Args) -> None:
                 b_order = torch.randperm(len(b_ids), device=device)
                 # ---
                 for start in range(0, len(b_ids), minibatch_size):  # none when the batch is empty (DAPO)
-                    mb_idx = b_order[start : start + minibatch_size]
+                    mb_idx = b_order[start : start + minibatch_size].sort().values  # sorted: a group's rows together
                     # --- algorithm: the loss is a mean over the optimizer step's sequences, on every rank ---
                     num_sequences = all_reduce_sum((b_response_mask[mb_idx].sum(-1) > 0).sum()) / args.world_size
                     # ---
-                    micro_batches = mb_idx.split(args.micro_batch_size)
+                    micro_batches = mb_idx.split(args.micro_batch_size)  # a prompt runs once per micro-batch
                     for k, idx in enumerate(micro_batches):
                         # Gradients are synced over ranks once per optimizer step, on the last micro-batch.
                         with no_sync(wrapped.values(), last=k == len(micro_batches) - 1):

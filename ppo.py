@@ -57,6 +57,7 @@ from common import (
     perf_metrics,
     print0,
     require,
+    response_hidden_states,
     rollout_logprobs,
     rollout_metrics,
     sampler_logprob_gap,
@@ -224,9 +225,7 @@ class Critic(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int) -> torch.Tensor:
         """(B, P+L) ids and mask -> values (B, L) in fp32, 0 after the last response token."""
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens start at 0
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               use_cache=False).last_hidden_state[:, prompt_length - 1 : -1]  # (B, L, H)
+        hidden = response_hidden_states(self.backbone, input_ids, attention_mask, prompt_length)  # (B, L, H)
         return self.value_head(hidden.float()).squeeze(-1) * attention_mask[:, prompt_length:]
 
 
@@ -544,11 +543,11 @@ def main(args: Args) -> None:
                 b_order = torch.randperm(len(b_ids), device=device)
                 # ---
                 for start in range(0, len(b_ids), minibatch_size):  # none when the batch is empty (DAPO)
-                    mb_idx = b_order[start : start + minibatch_size]
+                    mb_idx = b_order[start : start + minibatch_size].sort().values  # sorted: a group's rows together
                     # --- algorithm: the loss is a sum over the optimizer step's response tokens, over every rank ---
                     num_tokens = all_reduce_sum(b_response_mask[mb_idx].sum()) / args.world_size
                     # ---
-                    micro_batches = mb_idx.split(args.micro_batch_size)
+                    micro_batches = mb_idx.split(args.micro_batch_size)  # a prompt runs once per micro-batch
                     for k, idx in enumerate(micro_batches):
                         # Gradients are synced over ranks once per optimizer step, on the last micro-batch.
                         with no_sync(wrapped.values(), last=k == len(micro_batches) - 1):

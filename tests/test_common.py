@@ -134,6 +134,21 @@ def test_recomputed_logprobs_match_generate_logits_under_temperature(model, toke
     assert none is None and torch.equal(without_entropy, logprobs)
 
 
+@pytest.fixture
+def float64_model(model, monkeypatch):
+    """The model in float64 throughout, so that only a real difference shows. transformers' Qwen3 RMSNorm
+    computes in float32 whatever the weights' dtype; in a float64 model that rounds to float32, and two
+    forwards that sum the same gradients in another order (a prompt's, once per row or once per group)
+    then differ by float32's ~1e-7. Here it computes in the input's dtype, as it does in float32 runs."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+    monkeypatch.setattr(Qwen3RMSNorm, "forward", forward)
+    return copy.deepcopy(model).double()
+
+
 def naive_logprobs(model, ids, attention, P, T):
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=ids, attention_mask=attention, position_ids=position_ids).logits[:, P - 1 : -1]
@@ -146,8 +161,8 @@ def naive_logprobs(model, ids, attention, P, T):
     (2**27, 5),  # chunks kept for it
     (2**27, None),  # kept, in one product (the default below the threshold)
 ])
-def test_chunked_logprobs_and_gradients_equal_full_log_softmax(model, tokenizer, recompute_above, chunk_size):
-    model = copy.deepcopy(model).double()  # float64, so that only a real difference shows
+def test_chunked_logprobs_and_gradients_equal_full_log_softmax(float64_model, tokenizer, recompute_above, chunk_size):
+    model = float64_model
     torch.manual_seed(0)
     prompts = [format_prompt(tokenizer, p, True) for p in ("1+2", "45+67")]
     r = generate(model, tokenizer, prompts, 2, 6, 1.0)
@@ -161,6 +176,67 @@ def test_chunked_logprobs_and_gradients_equal_full_log_softmax(model, tokenizer,
     (logprobs * torch.arange(logprobs.numel()).view_as(logprobs)).sum().backward()
     for p, g in zip(model.parameters(), expected_grads):
         torch.testing.assert_close(p.grad, g, atol=1e-9, rtol=1e-9)
+
+
+def positions_through_first_layer(model) -> tuple[list[tuple[int, int]], object]:
+    """(rows, positions) of every call of the first decoder layer, and the hook's handle."""
+    shapes = []
+    handle = model.model.layers[0].register_forward_pre_hook(lambda _, args: shapes.append(tuple(args[0].shape[:2])))
+    return shapes, handle
+
+
+def test_rows_that_share_a_prompt_run_its_forward_once(float64_model, tokenizer):
+    """A group's G completions share their prompt. get_logprobs runs each distinct prompt once, then every
+    row's response tokens against that prompt's cached keys and values, wherever the rows sit in the
+    batch (the update's micro-batches are random rows). Causal attention: a prompt's states never see
+    the response, so the log-probs are the ones of the whole rows' forward, and each weight's gradient
+    is the sum over the rows, as there. Checked in float64 against the plain forward of every row."""
+    model = float64_model
+    torch.manual_seed(0)
+    prompts = [format_prompt(tokenizer, p, True) for p in ("1+2", "45+67")]
+    r = generate(model, tokenizer, prompts, 3, 6, 1.0)
+    rows = torch.tensor([4, 0, 3, 1, 5, 2])  # the two groups interleaved
+    ids, attention, P = r.input_ids[rows], r.attention_mask[rows], r.prompt_length
+    L = ids.shape[1] - P
+    expected = naive_logprobs(model, ids, attention, P, 1.3)
+    (expected * torch.arange(expected.numel()).view_as(expected)).sum().backward()
+    expected_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    shapes, handle = positions_through_first_layer(model)
+    logprobs, entropy = get_logprobs(model, ids, attention, P, 1.3)
+    handle.remove()
+    assert shapes == [(2, P), (6, L)]  # 2 distinct prompts of P tokens, then 6 responses of L (not 6 x (P + L))
+    torch.testing.assert_close(logprobs, expected, atol=1e-12, rtol=0)
+    (logprobs * torch.arange(logprobs.numel()).view_as(logprobs)).sum().backward()
+    for p, g in zip(model.parameters(), expected_grads):
+        torch.testing.assert_close(p.grad, g, atol=1e-9, rtol=1e-9)
+
+    with torch.no_grad():  # the reference and old log-probs: the same forward, without gradients
+        shapes, handle = positions_through_first_layer(model)
+        no_grad, _ = get_logprobs(model, ids, attention, P, 1.3, entropy=False)
+        handle.remove()
+    assert shapes == [(2, P), (6, L)]
+    torch.testing.assert_close(no_grad, expected, atol=1e-12, rtol=0)
+
+
+def test_without_a_repeated_prompt_or_under_gradient_checkpointing_the_rows_run_whole(model, tokenizer):
+    """Nothing to share (one completion per prompt), or gradient checkpointing in train mode, where
+    transformers drops the KV cache: one forward of the whole rows, with the same log-probs."""
+    model = copy.deepcopy(model)
+    torch.manual_seed(0)
+    r = generate(model, tokenizer, [format_prompt(tokenizer, p, True) for p in ("1+2", "45+67")], 2, 6, 1.0)
+    ids, attention, P = r.input_ids, r.attention_mask, r.prompt_length
+    shared, _ = get_logprobs(model, ids, attention, P, 1.0)
+
+    shapes, handle = positions_through_first_layer(model)
+    get_logprobs(model, ids[::2], attention[::2], P, 1.0)  # one row per prompt
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    model.train()
+    whole, _ = get_logprobs(model, ids, attention, P, 1.0)
+    handle.remove()
+    assert shapes == [(2, ids.shape[1]), (4, ids.shape[1])]
+    torch.testing.assert_close(whole, shared, atol=1e-6, rtol=0)
 
 
 def test_left_padding_does_not_change_logprobs(model, tokenizer):
