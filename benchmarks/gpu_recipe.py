@@ -8,20 +8,21 @@ realistic shape, on one GPU with no internet: the model is built from a config w
         --prompt-length 8 --new-tokens 4                    # the CPU check the tests run
 
 What it runs, each timed after a warm-up:
-1. sampling: `model.generate` (KV cache, T=1, no top-k) on prompts x group random prompts, forced to
-   exactly --new-tokens tokens (EOS suppressed): response tokens per second;
+1. sampling: `model.generate` (KV cache, T=1, no top-k) on --prompts random prompts, each --group-size
+   times, forced to exactly --new-tokens tokens (EOS suppressed): response tokens per second;
 2. the update: grpo.py's loss (`grpo.compute_loss`) on log-probs from `common.get_logprobs`, backward
    over micro-batches, gradient clipping and an AdamW step on the whole batch, as grpo.py does it
-   (bf16 weights on GPU, as `--dtype auto`).
+   (bf16 weights on GPU, as `--dtype auto`; a micro-batch runs each of its prompts once).
 3. with trl installed (pip install -r benchmarks/requirements.txt): grpo.py's whole rounds against TRL's
    GRPOTrainer at this shape, both loaded and taking turns (benchmarks/lockstep.py's `compare`, on
    the built-in task's prompts of ~24 tokens, the same random model saved to a temporary folder):
    each one's seconds per round, grpo.py's split (generation, log-probs, update) and the ratio.
 MFU = model FLOPs of the update / time / peak FLOPs. Model FLOPs (`update_flops`) count the
-matmuls of forward + backward (x3 of the forward): 2 x the non-embedding weights per token, the
-causal attention scores and values (half of the full T x T, as flash kernels skip the masked half)
-and the LM head on the response tokens only (get_logprobs applies it to those); recomputation is
-not counted. --peak-tflops defaults to 989, the dense bf16 peak of an H100/H200 SXM.
+matmuls of forward + backward (x3 of the forward): 2 x the non-embedding weights per position run
+(each micro-batch's distinct prompts once, every response), the causal attention scores and values
+(half of the full T x T, as flash kernels skip the masked half) and the LM head on the response
+tokens only (get_logprobs applies it to those); recomputation is not counted. --peak-tflops defaults
+to 989, the dense bf16 peak of an H100/H200 SXM.
 """
 
 import importlib.util
@@ -59,19 +60,24 @@ def build_config(name: str):
 
 
 def update_flops(config, num_sequences: int, sequence_length: int, response_length: int,
-                 causal: bool = True) -> float:
+                 causal: bool = True, prompts: Optional[int] = None) -> float:
     """Model FLOPs of one forward + backward of grpo.py's update over `num_sequences` sequences of
-    `sequence_length` tokens, `response_length` of them scored (the backward costs 2 forwards)."""
+    `sequence_length` tokens, `response_length` of them scored (the backward costs 2 forwards). With
+    `prompts`, the sequences share that many prompt forwards (common.response_hidden_states runs a prompt
+    once per micro-batch): each prompt's positions once, each sequence's response positions against its
+    prompt; without, every sequence runs whole."""
     d, layers = config.hidden_size, config.num_hidden_layers
     head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
     q_dim, kv_dim = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
     layer_weights = d * (q_dim + 2 * kv_dim) + q_dim * d + 3 * d * config.intermediate_size  # attention + MLP
-    tokens = num_sequences * sequence_length
-    weights = 2 * layers * layer_weights * tokens
-    attention = 2 * 2 * layers * q_dim * sequence_length**2 * num_sequences  # QK^T and AV
-    if causal:
-        attention /= 2
-    lm_head = 2 * d * config.vocab_size * num_sequences * response_length
+    P, L, n = sequence_length - response_length, response_length, num_sequences
+    if prompts is None:  # each sequence's positions, each against all T (or, causal, half of the T x T)
+        positions, scores = n * sequence_length, n * sequence_length**2 / (2 if causal else 1)
+    else:  # the prompts' positions among themselves, each response position against its prompt and response
+        positions, scores = prompts * P + n * L, (prompts * P**2 + n * L**2) / (2 if causal else 1) + n * L * P
+    weights = 2 * layers * layer_weights * positions
+    attention = 2 * 2 * layers * q_dim * scores  # QK^T and AV
+    lm_head = 2 * d * config.vocab_size * n * response_length
     return 3 * (weights + attention + lm_head)
 
 
@@ -168,7 +174,8 @@ def main(args: Args) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    prompts = torch.randint(1, config.vocab_size, (batch, args.prompt_length), device=device)
+    prompts = torch.randint(1, config.vocab_size, (args.prompts, args.prompt_length), device=device)
+    prompts = prompts.repeat_interleave(args.group_size, dim=0)  # G completions of each, as the files sample
     figures, sequences = measure_generation(model, prompts, args.new_tokens, device)
     print(f"generation: {figures['gen_tokens_per_s']:,.0f} response tokens/s ({figures['gen_s']:.1f} s)", flush=True)
     if device.type == "cuda":
@@ -184,7 +191,9 @@ def main(args: Args) -> None:
         update(model, optimizer, sequences, args.prompt_length, args.micro_batch_size)
     sync(device)
     step_s = (time.perf_counter() - start) / args.update_steps
-    flops = update_flops(config, batch, sequences.shape[1], args.new_tokens)
+    prompt_forwards = sum(len(sequences[i : i + args.micro_batch_size, : args.prompt_length].unique(dim=0))
+                          for i in range(0, batch, args.micro_batch_size))  # each micro-batch runs its prompts once
+    flops = update_flops(config, batch, sequences.shape[1], args.new_tokens, prompts=prompt_forwards)
     figures.update({"update_s": step_s, "update_tflops_per_s": flops / step_s / 1e12,
                     "update_tokens_per_s": batch * sequences.shape[1] / step_s})
     if device.type == "cuda":

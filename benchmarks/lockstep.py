@@ -110,13 +110,17 @@ def file_worker(conn, root: str, file: str, flags: list[str]) -> None:
     turns, logger_class, shapes = Turns(conn), module.Logger, {"generated": [], "scored": []}
     init, log, generate, rollout_logprobs = logger_class.__init__, logger_class.log, module.generate, None
 
+    def shape(rollout) -> tuple[int, int, int, int]:  # rows, prompt width, response width, distinct prompts
+        P = rollout.prompt_length
+        return len(rollout.input_ids), P, rollout.response_mask.shape[1], len(rollout.input_ids[:, :P].unique(dim=0))
+
     def generate_recording(*args, **kwargs):
         rollout = generate(*args, **kwargs)
-        shapes["generated"].append((len(rollout.input_ids), rollout.prompt_length, rollout.response_mask.shape[1]))
+        shapes["generated"].append(shape(rollout))
         return rollout
 
     def rollout_logprobs_recording(model, rollout, *args, **kwargs):
-        shapes["scored"].append((len(rollout.input_ids), rollout.prompt_length, rollout.response_mask.shape[1]))
+        shapes["scored"].append(shape(rollout))
         return rollout_logprobs(model, rollout, *args, **kwargs)
 
     def init_then_wait(self, *args, **kwargs):
@@ -247,23 +251,25 @@ def matmul_gflops(size: int = 2048, repeats: int = 10) -> float:
 
 def phase_gflop(config, rounds: list[dict], updates: int) -> dict[str, float]:
     """Matmul GFLOP of the phases of a file's median round, from the batch shapes the worker recorded:
-    sampling (each prompt's forward with the LM head on its last position, then each new token against
-    the KV cache), the no-grad log-prob passes and the update (`updates` passes of forward + backward over
-    the sampled batch, x3 the forward), counted as `gpu_recipe.update_flops` counts them."""
+    sampling (each row's prompt forward with the LM head on its last position, then each new token
+    against the KV cache), the no-grad log-prob passes and the update (`updates` passes of forward +
+    backward over the sampled batch, x3 the forward), counted as `gpu_recipe.update_flops` counts them:
+    the log-prob passes and the update run each distinct prompt once (as when each micro-batch holds
+    whole groups: the whole batch at the shapes here)."""
     from benchmarks.gpu_recipe import update_flops
 
-    def forward(rows: int, tokens: int, scored: int) -> float:  # rows x tokens, the LM head on `scored` of them
-        return update_flops(config, rows, tokens, scored) / 3
+    def forward(rows: int, tokens: int, scored: int, prompts: int | None = None) -> float:  # the head on `scored`
+        return update_flops(config, rows, tokens, scored, prompts=prompts) / 3
 
-    def sampling(rows: int, prompt: int, response: int) -> float:  # token t's cost: the forward's growth by one
+    def sampling(rows: int, prompt: int, response: int, _) -> float:  # token t's cost: the forward's growth by one
         return forward(rows, prompt, 1) + sum(forward(rows, prompt + t, 1) - forward(rows, prompt + t - 1, 0)
                                               for t in range(1, response))
 
     totals = []
     for r in rounds:
         totals.append({"gen": sum(sampling(*s) for s in r["generated"]),
-                       "logprobs": sum(forward(n, p + L, L) for n, p, L in r["scored"]),
-                       "update": sum(updates * 3 * forward(n, p + L, L) for n, p, L in r["generated"])})
+                       "logprobs": sum(forward(n, p + L, L, k) for n, p, L, k in r["scored"]),
+                       "update": sum(updates * 3 * forward(n, p + L, L, k) for n, p, L, k in r["generated"])})
     return {k: statistics.median(t[k] for t in totals) / 1e9 for k in totals[0]}
 
 
@@ -344,10 +350,11 @@ def print_comparison(result: dict, shape: Shape, rounds: int, warmup: int) -> No
 def print_phases(result: dict, config, peak: float) -> dict[str, float]:
     """The file's phases in GFLOP/s and as a fraction of the measured matmul rate `peak`."""
     gflop, a = phase_gflop(config, result["rounds"], UPDATES_PER_ROLLOUT), result["this"]
-    rows, prompt, response = result["rounds"][-1]["generated"][0]
+    rows, prompt, response, prompts = result["rounds"][-1]["generated"][0]
     print(f"\n{result['names'][0]}'s phases against this machine's fp32 matmul rate, {peak:.0f} GFLOP/s (the best "
-          f"of ten 2048^3 products); {rows} sequences of {prompt} + {response} tokens in the last round; counted for "
-          "a file that trains on what it samples (not DAPO's kept groups, PPO's critic or GVPO's replay):")
+          f"of ten 2048^3 products); {rows} sequences of {prompt} + {response} tokens ({prompts} distinct prompts) in "
+          "the last round; counted for a file that trains on what it samples (not DAPO's kept groups, PPO's critic or "
+          "GVPO's replay):")
     print("| phase | GFLOP | s | GFLOP/s | of the matmul rate |")
     print("|---|---|---|---|---|")
     for phase, key in (("generation", "gen"), ("log-probs (no grad)", "logprobs"), ("update", "update")):

@@ -106,12 +106,14 @@ def test_gpu_recipe_runs_at_a_tiny_shape_on_cpu(tmp_path):
     assert figures["batch"] == 4 and figures["gen_tokens_per_s"] > 0 and figures["update_tflops_per_s"] > 0
 
 
+@pytest.mark.parametrize("shared", [False, True])  # 3 prompts, or 1 prompt that the 3 rows share
 @pytest.mark.parametrize("recompute_above", [2**27, 0])  # the logits kept for the backward, or recomputed there
-def test_gpu_recipe_flop_count_matches_torch_flop_counter(recompute_above):
+def test_gpu_recipe_flop_count_matches_torch_flop_counter(recompute_above, shared):
     """update_flops (full attention) against the matmul FLOPs PyTorch counts in one get_logprobs forward +
     backward with eager attention (matmuls the counter sees), plus what the recipe leaves out on purpose:
-    the backbone's one logit and, when get_logprobs recomputes its chunks in the backward pass (above
-    `recompute_above` logits), their LM-head forward again."""
+    each forward's one logit per row (the backbone's) and, when get_logprobs recomputes its chunks in the
+    backward pass (above `recompute_above` logits), their LM-head forward again. Rows that share a prompt
+    run it once (then two forwards: the prompt's, 1 row, and the responses')."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForCausalLM
@@ -123,14 +125,19 @@ def test_gpu_recipe_flop_count_matches_torch_flop_counter(recompute_above):
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     B, P, L = 3, 10, 6
     ids = torch.randint(1, config.vocab_size, (B, P + L))
+    if shared:
+        ids[:, :P] = ids[0, :P]
     with FlopCounterMode(display=False) as counter:
         logprobs, _ = get_logprobs(model, ids, torch.ones_like(ids), P, 1.0, recompute_above=recompute_above)
         logprobs.sum().backward()
     head = 2 * config.hidden_size * config.vocab_size
     recomputed = head * B * L if B * L * config.vocab_size > recompute_above else 0
-    expected = update_flops(config, B, P + L, L, causal=False) + recomputed + head * B
+    prompts = 1 if shared else None
+    expected = update_flops(config, B, P + L, L, causal=False, prompts=prompts) + recomputed + head * (B + shared)
     assert abs(counter.get_total_flops() - expected) / expected < 1e-4
-    assert update_flops(config, B, P + L, L) < expected  # causal: half the attention
+    assert update_flops(config, B, P + L, L, prompts=prompts) < expected  # causal: half the attention
+    if shared:
+        assert expected < update_flops(config, B, P + L, L, causal=False)  # fewer positions than 3 whole rows
 
 
 def lockstep(*args: str) -> dict:
