@@ -5,6 +5,7 @@ data.py (datasets and prompts), rewards.py (rewards and evaluation), runs.py (th
 log and checkpoints)."""
 
 import contextlib
+import ctypes
 import dataclasses
 import datetime
 import functools
@@ -135,6 +136,7 @@ def setup_distributed(timeout_minutes: float = 60) -> tuple[int, int, torch.devi
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+        reuse_freed_memory()
     if world_size > 1:
         timeout = datetime.timedelta(minutes=timeout_minutes)
         if device.type == "cuda":
@@ -143,6 +145,21 @@ def setup_distributed(timeout_minutes: float = 60) -> tuple[int, int, torch.devi
             dist.init_process_group("gloo", timeout=timeout)
         sys.excepthook = functools.partial(_explain_timeout, sys.excepthook, timeout_minutes)
     return rank, world_size, device
+
+
+def reuse_freed_memory() -> None:
+    """Keep the memory that tensors free for the next ones instead of handing it back to the OS, as
+    CUDA's caching allocator does on a GPU. glibc's malloc maps each allocation over 32 MB afresh and
+    unmaps it when it is freed, so that every training step on CPU touches the pages of its large
+    tensors anew (logits, the LM head's and the embedding's gradients: 0.3-0.6 GB each at a 151,936-token
+    vocabulary); at the Qwen3-0.6B-shaped benchmark these page faults took ~45 % of an optimizer step.
+    The process then stays at its peak resident memory. Nothing changes where the C library has no
+    `mallopt` (macOS)."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
+        mallopt(M_MMAP_MAX, 0)  # every allocation from the heap, which is reused...
+        mallopt(M_TRIM_THRESHOLD, 2**31 - 1)  # ...and not given back until 2 GB at its top are free
 
 
 def _explain_timeout(excepthook, minutes: float, kind, value, traceback) -> None:
