@@ -368,9 +368,20 @@ def save_checkpoint(path: Path, modules: dict[str, torch.nn.Module], tokenizer, 
     written its part, so a crash never leaves a partial folder under `path`. A failed write (disk full,
     no permission) removes the .tmp folder and stops with the path and the cause; earlier checkpoints
     are untouched. A folder already at `path` is moved aside, never deleted. With `keep` > 0, only the
-    newest `keep` step checkpoints are kept after the save."""
+    newest `keep` step checkpoints are kept after the save. A Ctrl-C while it writes removes the .tmp
+    folder too, and stops the run as a Ctrl-C anywhere else does, never as a failed write."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
+    try:
+        _write_checkpoint(path, tmp, modules, tokenizer, rank, run_info, optimizer, step, extra, keep)
+    except KeyboardInterrupt:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_checkpoint(path: Path, tmp: Path, modules: dict[str, torch.nn.Module], tokenizer, rank: int,
+                      run_info: dict, optimizer, step: int, extra: dict | None, keep: int) -> None:
     policy, distributed = modules["policy"], dist.is_initialized()
     error = None
     if rank == 0:
@@ -427,7 +438,11 @@ def save_checkpoint(path: Path, modules: dict[str, torch.nn.Module], tokenizer, 
 
 def _stop_if_any_failed(error: BaseException | None, path: Path, tmp: Path, rank: int) -> None:
     """Collective: when a rank's write failed, every rank stops with the path and each failed rank's
-    cause, and rank 0 removes the partial .tmp folder; earlier checkpoints are left as they are."""
+    cause, and rank 0 removes the partial .tmp folder; earlier checkpoints are left as they are. A Ctrl-C
+    that the writer wrapped (DCP in a CheckpointException, torch.save's interrupted zip writer in the
+    error it raises as it closes) is raised as the KeyboardInterrupt it is."""
+    if error is not None and _interrupted(error):
+        raise KeyboardInterrupt from error
     errors = [None if error is None else _write_error(error)]
     if dist.is_initialized():
         errors = [None] * dist.get_world_size()
@@ -441,6 +456,14 @@ def _stop_if_any_failed(error: BaseException | None, path: Path, tmp: Path, rank
     previous = latest_checkpoint(path.parent) if path.parent.exists() else None
     kept = f"the last complete checkpoint, {previous}, is untouched" if previous else "there is no earlier checkpoint"
     raise UsageError(f"could not write the checkpoint {path} ({where}). Removed {tmp.name}; {kept}.")
+
+
+def _interrupted(error: BaseException) -> bool:
+    """Whether a KeyboardInterrupt is the failure, or its cause or context, anywhere in the chain."""
+    seen = _first_failure(error)
+    while seen is not None and not isinstance(seen, KeyboardInterrupt):
+        seen = seen.__cause__ or seen.__context__
+    return seen is not None
 
 
 def _write_error(error: Exception) -> str:

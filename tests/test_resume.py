@@ -297,6 +297,50 @@ def test_a_failed_write_names_the_path_and_leaves_the_previous_checkpoint_resuma
     assert [m["step"] for m in read_metrics(tmp_path / "full")] == list(range(6))
 
 
+def ctrl_c_in_dcp_write(*args, **kwargs):  # DCP catches it in its writer and raises a CheckpointException
+    raise KeyboardInterrupt
+
+
+def ctrl_c_in_torch_save(*args, **kwargs):  # torch.save's zip writer, interrupted, fails as it closes
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos") from None
+
+
+def ctrl_c_in_save_pretrained(*args, **kwargs):  # a plain KeyboardInterrupt, outside DCP and torch.save
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("where", ["dcp", "torch.save", "save_pretrained"])
+def test_ctrl_c_during_a_save_is_a_ctrl_c(tmp_path, monkeypatch, where):
+    """A Ctrl-C that lands while the step-4 checkpoint is written stops the run as a Ctrl-C anywhere else
+    does (the one-line resume command), not as a failed write, which would send the user looking for a
+    disk problem: the half-written step_4.tmp is removed and step_2 stays the latest checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    import transformers.modeling_utils
+
+    owner, name, interrupted, counted = {
+        "dcp": (dcp.FileSystemWriter, "write_data", ctrl_c_in_dcp_write, lambda *args: True),
+        "torch.save": (torch, "save", ctrl_c_in_torch_save, lambda obj, f, *args: str(f).endswith("rank_0.pt")),
+        "save_pretrained": (transformers.modeling_utils, "safe_save_file", ctrl_c_in_save_pretrained,
+                            lambda *args: True)}[where]
+    real, calls = getattr(owner, name), []
+
+    def second_save_interrupted(*args, **kwargs):
+        calls.extend([1] if counted(*args) else [])
+        return interrupted(*args, **kwargs) if counted(*args) and len(calls) == 2 else real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, second_save_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        grpo.main(small_run(tmp_path, "stopped"))
+    assert len(calls) == 2  # stopped in the step-4 save
+    assert sorted(p.name for p in (tmp_path / "stopped").iterdir() if p.name.startswith("step_")) == ["step_2"]
+    monkeypatch.undo()
+    grpo.main(small_run(tmp_path, "stopped", resume="latest"))
+    assert [m["step"] for m in read_metrics(tmp_path / "stopped")] == list(range(6))
+
+
 # Rank 1 finds the disk full when it writes its own state into the step-4 checkpoint.
 RANK_1_DISK_FULL = """
 import errno, os, torch
