@@ -419,26 +419,31 @@ def test_on_cpu_freed_memory_is_reused_without_page_faults():
     assert counts["plain"] > 100_000 and counts["set-up"] < 1_000, counts
 
 
-def test_few_row_linear_computes_the_same_products(monkeypatch):
-    """Inside FewRowLinear, F.linear of up to 64 rows is (W x^T)^T: equal to x W^T + b to float rounding, for
-    2-D and 3-D inputs, with the bias positional, by keyword or absent, and in nn.Linear; more rows run
-    F.linear itself."""
+@pytest.mark.parametrize("dtype, packed", [(torch.float32, True), (torch.float64, False)])  # oneDNN: no float64
+def test_few_row_linear_computes_the_same_products(monkeypatch, dtype, packed):
+    """Inside FewRowLinear, F.linear of up to 64 rows runs on the weight packed by oneDNN, packed once per
+    weight for the whole context, or, where oneDNN cannot pack it (float64), as (W x^T)^T: equal to
+    x W^T + b to float rounding, for 2-D and 3-D inputs, with the bias positional, by keyword or absent,
+    and in nn.Linear; more rows run F.linear itself."""
     import torch.nn.functional as F
 
+    import common
     from common import FewRowLinear
 
-    products, mm = [], torch.mm
+    packs, products, pack, mm = [], [], common._pack_for_few_rows, torch.mm
+    monkeypatch.setattr(common, "_pack_for_few_rows", lambda w, rows: packs.append(w.shape) or pack(w, rows))
     monkeypatch.setattr(torch, "mm", lambda a, b: products.append(a.shape) or mm(a, b))
     torch.manual_seed(0)
-    layer = torch.nn.Linear(7, 9, dtype=torch.float64).requires_grad_(False)
+    layer = torch.nn.Linear(7, 9, dtype=dtype).requires_grad_(False)
     weight, bias = layer.weight, layer.bias
-    for x, transposed in ((torch.randn(3, 5, 7, dtype=torch.float64), True),
-                          (torch.randn(64, 7, dtype=torch.float64), True),
-                          (torch.randn(65, 7, dtype=torch.float64), False)):
-        expected, products[:] = x @ weight.T + bias, []
+    for x, few in ((torch.randn(3, 5, 7, dtype=dtype), True), (torch.randn(64, 7, dtype=dtype), True),
+                   (torch.randn(65, 7, dtype=dtype), False)):
+        expected, packs[:], products[:] = x @ weight.T + bias, [], []
         with FewRowLinear():
             got = [F.linear(x, weight, bias), F.linear(x, weight, bias=bias), F.linear(x, weight) + bias, layer(x)]
-        assert products == [weight.shape] * 4 if transposed else products == []
+        assert packs == ([weight.shape] if few else [])  # once for the 4 products
+        assert products == ([weight.shape] * 4 if few and not packed else [])
         for y in got:
             assert y.shape == expected.shape
             torch.testing.assert_close(y, expected)
+    assert (pack(weight, 3) is not None) == packed
