@@ -420,8 +420,9 @@ def generate(model, tokenizer, prompts: list[str], group_size: int, max_new_toke
     checkpoint_config, model.generation_config = model.generation_config, config
     try:
         with FewRowLinear() if model.device.type == "cpu" else contextlib.nullcontext():
+            cache = shared_prompt_cache(model, enc.input_ids, enc.attention_mask, group_size)
             out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
-                                 logits_processor=None if greedy else [sampler], synced_gpus=synced)
+                                 logits_processor=None if greedy else [sampler], synced_gpus=synced, cache=cache)
     finally:
         model.generation_config = checkpoint_config
     P = prompt_ids.shape[1]
@@ -445,6 +446,42 @@ def generate(model, tokenizer, prompts: list[str], group_size: int, max_new_toke
         truncated=~has_eos,
         sampler_logprobs=sampler_logprobs.masked_fill(response_mask == 0, 0.0),
     )
+
+
+def shared_prompt_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int):
+    """The KV cache of each prompt's tokens but its last, computed once per prompt and repeated for its
+    `group_size` rows, for `model.generate` to go on from: it runs the last prompt token of every row
+    against it, then samples. None where there is nothing to share (one row per prompt, one-token
+    prompts; for an FSDP model: on some rank) or the model's cache is not plain keys and values: generate
+    then runs every row's prompt."""
+    if not on_every_rank(model, group_size > 1 and prompt_ids.shape[1] > 1, prompt_ids.device):
+        return None
+    ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]
+    cache = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True,
+                  logits_to_keep=1).cache
+    if not plain_cache(cache, ids.shape[1]):
+        return None
+    cache.batch_repeat_interleave(group_size)
+    return cache
+
+
+def on_every_rank(model, flag: bool, device: torch.device) -> bool:
+    """`flag` where every rank has it, for a model whose forward is collective (DDP broadcasts its buffers,
+    FSDP all-gathers its weights): the ranks must run the same forwards, or they would pair mismatched
+    collectives. `flag` itself for any other model."""
+    collective = isinstance(model, DistributedDataParallel) or isinstance(unwrap(model), FSDPModule)
+    if not (dist.is_initialized() and collective):
+        return flag
+    return bool(all_reduce_min(torch.tensor(int(flag), device=device)))
+
+
+def plain_cache(cache, length: int) -> bool:
+    """Whether `cache` holds plain keys and values (of full or sliding-window attention) for `length`
+    tokens: what can be indexed by row and extended, as sampling extends it. Not so for the states of
+    linear-attention or state-space layers, nor under gradient checkpointing, where transformers drops
+    the cache in each layer."""
+    return (isinstance(cache, DynamicCache) and cache.get_seq_length() == length
+            and all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers))
 
 
 def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
@@ -476,27 +513,32 @@ def response_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch
     the response: the values are those of one forward of the whole rows, and each weight's gradient is
     the same sum over the rows. With G completions of P prompt and L response tokens per prompt, a
     forward and backward process P + G L positions instead of G (P + L). The rows run whole when no prompt
-    repeats, under gradient checkpointing in train mode (transformers drops the cache there), and for a
-    model whose cache is not plain keys and values (linear-attention or state-space layers)."""
+    repeats (for a DDP or FSDP model: on some rank, `on_every_rank`), under gradient checkpointing in
+    train mode (transformers drops the cache there), and for a model whose cache is not plain keys and
+    values (linear-attention or state-space layers)."""
     P, hf_model = prompt_length, unwrap(model)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens start at 0
     prompts, row_prompt = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], 1), dim=0,
                                        return_inverse=True)  # (N, 2P) distinct prompts; (B,) each row's
     checkpointed = torch.is_grad_enabled() and hf_model.training and hf_model.is_activation_checkpointing
-    if len(prompts) < len(input_ids) and not checkpointed:
+    if on_every_rank(model, len(prompts) < len(input_ids) and not checkpointed, input_ids.device):
         prompt_ids, prompt_mask = prompts[:, :P], prompts[:, P:]
-        first = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(-1) - 1).clamp(
-            min=0), use_cache=True, output_hidden_states=True, **forward_kwargs)
+        first = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
+                      use_cache=True, output_hidden_states=True, **forward_kwargs)
         cache = first.cache
-        if (isinstance(cache, DynamicCache) and all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer)
-                                                    for layer in cache.layers) and cache.get_seq_length() == P):
+        if plain_cache(cache, P):
             cache.batch_select_indices(row_prompt)  # each row's prompt keys and values; gradients add up over rows
-            rest = model(input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=position_ids[:, P:],
-                         cache=cache, use_cache=True, output_hidden_states=True, **forward_kwargs)
+            rest = model(input_ids=input_ids[:, P:], attention_mask=attention_mask,
+                         position_ids=position_ids(attention_mask)[:, P:], cache=cache, use_cache=True,
+                         output_hidden_states=True, **forward_kwargs)
             return torch.cat([first.hidden_states[-1][row_prompt, -1:], rest.hidden_states[-1][:, :-1]], 1)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                output_hidden_states=True, **forward_kwargs)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                use_cache=False, output_hidden_states=True, **forward_kwargs)
     return out.hidden_states[-1][:, P - 1 : -1]
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions from the mask: with left padding, each row's real tokens start at 0 (padding gets 0 too)."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
 def _token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, model, temperature: float, entropy: bool

@@ -74,6 +74,37 @@ def test_fsdp_generation_waits_for_the_slowest_rank(tmp_path):
     assert ranks[0]["total"] == ranks[1]["total"] == ranks[0]["length"] + ranks[1]["length"]
 
 
+def test_ranks_share_prompts_only_all_together(tmp_path):
+    """A DDP or FSDP model's forward is collective, so a micro-batch's prompt runs once only where every
+    rank's rows repeat a prompt (tests/shared_prompts_ranks.py: rank 0's do, rank 1's do not), and
+    sampling likewise: no mismatched collective, and each rank's log-probs and the averaged gradient are
+    those of one process running every row whole."""
+    from shared_prompts_ranks import PROMPTS, rows
+
+    from common import get_logprobs
+    from models import DEFAULT_MODEL, load_model, load_tokenizer
+
+    result = run(["tests/shared_prompts_ranks.py"], cwd=tmp_path, torchrun=2, timeout=600)
+    assert result.returncode == 0, result.stderr
+    ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in (0, 1)]
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    model = load_model(DEFAULT_MODEL, "float32", torch.device("cpu"), tokenizer)
+    expected = []
+    for prompts in PROMPTS:
+        ids, mask, P = rows(tokenizer, prompts)
+        for i in range(len(ids)):  # one row at a time: nothing shared
+            logprobs, _ = get_logprobs(model, ids[i : i + 1], mask[i : i + 1], P, 1.0)
+            (logprobs.sum() / 2).backward()  # DDP and FSDP average the ranks' gradients
+            expected.append(logprobs[0].tolist())
+    grad_norm = torch.stack([p.grad.norm() for p in model.parameters()]).norm().item()
+    for mode in ("ddp", "fsdp"):
+        got = [row for figures in ranks for row in figures[mode]["logprobs"]]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), atol=1e-5, rtol=0)
+        for figures in ranks:
+            assert figures[mode]["grad_norm"] == pytest.approx(grad_norm, rel=1e-5), mode
+    assert [len(figures["fsdp"]["texts"]) for figures in ranks] == [4, 2]
+
+
 def one_step(tmp_path: Path, algo: str, name: str, dataset: Path, extra: list[str], torchrun: int = 0):
     """One rollout (2 optimizer updates) with sampling pinned per prompt; returns (new weights, metrics)."""
     args = ["tests/pinned_run.py", algo, "--dataset", str(dataset), "--eval-size", "4", "--num-steps", "1",
