@@ -251,19 +251,22 @@ def matmul_gflops(size: int = 2048, repeats: int = 10) -> float:
 
 def phase_gflop(config, rounds: list[dict], updates: int) -> dict[str, float]:
     """Matmul GFLOP of the phases of a file's median round, from the batch shapes the worker recorded:
-    sampling (each row's prompt forward with the LM head on its last position, then each new token
-    against the KV cache), the no-grad log-prob passes and the update (`updates` passes of forward +
-    backward over the sampled batch, x3 the forward), counted as `gpu_recipe.update_flops` counts them:
-    the log-prob passes and the update run each distinct prompt once (as when each micro-batch holds
-    whole groups: the whole batch at the shapes here)."""
+    sampling (each distinct prompt's tokens but its last, then every row's last prompt token and each
+    new token against the KV cache, the LM head on each row's last position), the no-grad log-prob
+    passes and the update (`updates` passes of forward + backward over the sampled batch, x3 the
+    forward), counted as `gpu_recipe.update_flops` counts them: the log-prob passes and the update run
+    each distinct prompt once (as when each micro-batch holds whole groups: the whole batch at the
+    shapes here)."""
     from benchmarks.gpu_recipe import update_flops
 
     def forward(rows: int, tokens: int, scored: int, prompts: int | None = None) -> float:  # the head on `scored`
         return update_flops(config, rows, tokens, scored, prompts=prompts) / 3
 
-    def sampling(rows: int, prompt: int, response: int, _) -> float:  # token t's cost: the forward's growth by one
-        return forward(rows, prompt, 1) + sum(forward(rows, prompt + t, 1) - forward(rows, prompt + t - 1, 0)
-                                              for t in range(1, response))
+    def sampling(rows: int, prompt: int, response: int, prompts: int) -> float:  # a position: the forward's growth
+        first = forward(rows, prompt, 1)  # every row's prompt, the head on its last position
+        if prompts < rows:  # each prompt's tokens but its last once, then every row's last one against them
+            first = forward(prompts, prompt - 1, 1) + forward(rows, prompt, 1) - forward(rows, prompt - 1, 0)
+        return first + sum(forward(rows, prompt + t, 1) - forward(rows, prompt + t - 1, 0) for t in range(1, response))
 
     totals = []
     for r in rounds:
