@@ -175,10 +175,20 @@ def _explain_timeout(excepthook, minutes: float, kind, value, traceback) -> None
 def cleanup_distributed() -> None:
     """The last call of a distributed run, once main has returned (its DDP wrappers and sharded models
     freed): wait for every rank, since rank 0 may still be writing the checkpoint, then tear the process
-    group down."""
+    group down. On CPU the process then ends at once, without Python's interpreter teardown: gloo's
+    worker threads outlive destroy_process_group when anything still holds the group (after FSDP,
+    torch's DTensor caches hold its device mesh), and one still releasing the last collective's tensors
+    needs the GIL; during teardown that aborts the process ('terminate called without an active
+    exception', exit code -6: about one two-rank run of benchmarks/checkpoint_memory.py in six on a busy
+    2-core machine)."""
     if dist.is_initialized():
+        on_cpu = dist.get_backend() == "gloo"
         dist.barrier()
         dist.destroy_process_group()
+        if on_cpu:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)  # every file is closed by now (main has returned); the OS frees the rest
 
 
 def print0(*args, **kwargs) -> None:

@@ -126,13 +126,14 @@ def worker(args: Args) -> None:
             print("|---|---|---|---|---|")
         for r, (seconds, growth) in enumerate(table):
             print(f"| {phase} | {r} | {seconds:.2f} | {growth / 1e6:.0f} | {growth / (3 * 4 * own):.2f} |", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def main(args: Args) -> None:
     if "RANK" in os.environ:
-        return worker(args)
+        from common import cleanup_distributed
+
+        worker(args)
+        return cleanup_distributed()  # after worker has returned: its sharded model is freed
     with tempfile.TemporaryDirectory() as folder:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
                "-m", "benchmarks.checkpoint_memory", *sys.argv[1:]]
