@@ -133,7 +133,8 @@ def main(args: Args) -> None:
         from common import cleanup_distributed
 
         worker(args)
-        return cleanup_distributed()  # after worker has returned: its sharded model is freed
+        cleanup_distributed()  # after worker has returned: its sharded model is freed
+        return
     with tempfile.TemporaryDirectory() as folder:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
                "-m", "benchmarks.checkpoint_memory", *sys.argv[1:]]

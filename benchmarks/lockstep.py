@@ -264,8 +264,8 @@ def phase_gflop(config, rounds: list[dict], updates: int) -> dict[str, float]:
 
     def sampling(rows: int, prompt: int, response: int, prompts: int) -> float:  # a position: the forward's growth
         first = forward(rows, prompt, 1)  # every row's prompt, the head on its last position
-        if prompts < rows:  # each prompt's tokens but its last once, then every row's last one against them
-            first = forward(prompts, prompt - 1, 1) + forward(rows, prompt, 1) - forward(rows, prompt - 1, 0)
+        if prompts < rows:  # each prompt's tokens but its last once, not once per row
+            first += forward(prompts, prompt - 1, 1) - forward(rows, prompt - 1, 0)
         return first + sum(forward(rows, prompt + t, 1) - forward(rows, prompt + t - 1, 0) for t in range(1, response))
 
     totals = []
