@@ -42,8 +42,10 @@ FLAG_RULES = [
     ("prompts_per_step", lambda v: v >= 1, ">= 1", ""),
     ("group_size", lambda v: v >= 1, ">= 1", ""),
     ("max_new_tokens", lambda v: v >= 1, ">= 1", "each completion has at least its EOS token"),
-    ("temperature", lambda v: 0 < v < math.inf, "> 0", "the log-probs divide the logits by it; for sharper "
-     "sampling try 0.5, and eval/accuracy_greedy reports greedy decoding"),
+    ("seed", lambda v: 0 <= v < 2**63, "in [0, 2**63)", "torch's seeds are 64-bit; each rank adds its rank"),
+    ("temperature", lambda v: 0.01 <= v < math.inf, ">= 0.01", "the log-probs divide the logits by it, and below "
+     "0.01 float32 log-probs lose the precision a ratio needs; for sharper sampling try 0.5, and "
+     "eval/accuracy_greedy reports greedy decoding"),
     ("learning_rate", lambda v: 0 < v < math.inf, "> 0", ""),
     ("updates_per_rollout", lambda v: v >= 1, ">= 1", ""),
     ("num_minibatches", lambda v: v >= 1, ">= 1", ""),
@@ -55,9 +57,9 @@ FLAG_RULES = [
     ("keep_checkpoints", lambda v: v >= 0, ">= 0", "0: keep all"),
     ("eval_size", lambda v: v >= 0, ">= 0", ""),
     ("max_prompt_length", lambda v: v is None or v >= 1, ">= 1", "or left out: as long as the model allows"),
-    ("format_weight", lambda v: math.isfinite(v), "finite", ""),
     ("dist_timeout", lambda v: 0 < v < math.inf, "> 0", "minutes"),
 ]
+INFINITE_ALLOWED = {"max_grad_norm"}  # float flags where inf means something (no clipping); any other must be finite
 
 
 def cli(args_class, args: list[str] | None = None):
@@ -83,6 +85,10 @@ def check_flags(args) -> None:
     """The shared flags, before anything is loaded or written: one line naming the flag, the value and
     what it must be. Sets the per-rank sizes (args.world_size, local_prompts_per_step, local_batch_size,
     minibatch_size, micro_batch_size). Each algorithm file checks its own flags after this (`require`)."""
+    for field in dataclasses.fields(args):  # every float flag, the algorithm's too: nan and inf pass any comparison
+        value = getattr(args, field.name)
+        if isinstance(value, float) and not math.isfinite(value) and field.name not in INFINITE_ALLOWED:
+            raise UsageError(f"--{field.name.replace('_', '-')} {value}: must be a finite number.")
     for name, valid, must, why in FLAG_RULES:
         value = getattr(args, name)
         require(valid(value), f"--{name.replace('_', '-')}", value, must + (f" ({why})" if why else ""))
@@ -94,6 +100,10 @@ def check_flags(args) -> None:
                          "(pass --output-dir for another place).")
     output = Path(args.output_dir).expanduser()
     existing = next(p for p in (output, *output.parents) if p.exists())
+    longest = os.pathconf(existing, "PC_NAME_MAX") - 15  # the run folder is first created as .<name>.claim-<pid>
+    if args.run_name is not None and len(args.run_name.encode()) > longest:
+        raise UsageError(f"--run-name: {len(args.run_name.encode())} bytes, longer than the {longest} that a folder "
+                         "name may have here. Choose a shorter one.")
     if not existing.is_dir():
         raise UsageError(f"--output-dir {args.output_dir}: {existing} is a file, not a folder. Pass a folder.")
     if not os.access(existing, os.W_OK | os.X_OK):

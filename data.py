@@ -4,12 +4,14 @@ prompts as the model sees them, and each step's batch of prompts."""
 import functools
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig
 
 from common import UsageError, print0
+from models import from_pretrained
 
 
 def builtin_splits(max_operand: int = 99, eval_size: int = 500) -> tuple[list[dict], list[dict]]:
@@ -67,10 +69,20 @@ def _jsonl_records(path: Path, flag: str):
             if not line.strip():
                 continue
             try:
-                yield f"{path}:{line_no}", json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{path}:{line_no}: not valid JSON ({e.msg}). "
+                record = json.loads(line)
+            except (ValueError, RecursionError) as e:
+                raise UsageError(f"{path}:{line_no}: not valid JSON ({json_error(e)}). "
                                  "Each line must be one JSON object.") from None
+            yield f"{path}:{line_no}", record
+
+
+def json_error(error: Exception) -> str:
+    """What `json.loads` objected to, in a few words (its own message for a number names a function to call)."""
+    if isinstance(error, RecursionError):
+        return "nested too deep"
+    if isinstance(error, json.JSONDecodeError):
+        return error.msg
+    return f"a number of more than {sys.get_int_max_str_digits()} digits"
 
 
 def _dataset_records(source: str, flag: str, config: str | None, split: str | None):
@@ -92,7 +104,7 @@ def _dataset_records(source: str, flag: str, config: str | None, split: str | No
             data = datasets.load_dataset(builder, data_files=str(path))
         else:
             data = datasets.load_dataset(source, config)
-    except (OSError, ValueError, ImportError) as e:
+    except (OSError, ValueError, ImportError, RuntimeError) as e:  # RuntimeError: a loading script, refused
         raise UsageError(f"{flag} {source!r}: cannot load it ({type(e).__name__}: {str(e).splitlines()[0]}). "
                          "Pass a dataset file or folder, or a Hugging Face dataset name reachable from this "
                          "machine.") from None
@@ -136,7 +148,9 @@ def model_positions(name: str, flag: str = "--model") -> int | None:
     """How many positions (prompt and completion tokens together) the model at `name` takes, from its
     config; None when the config states no limit."""
     try:
-        config = AutoConfig.from_pretrained(name).get_text_config()
+        config = from_pretrained(AutoConfig, name, flag).get_text_config()
+    except UsageError:
+        raise
     except (OSError, ValueError) as e:
         raise UsageError(f"{flag} {name!r}: cannot read its config ({str(e).splitlines()[0]}). "
                          "Pass a local folder or a Hugging Face model name reachable from this machine.") from None
@@ -173,12 +187,18 @@ def fit_prompts(train: list[dict], held_out: list[dict], tokenizer, chat_templat
             prompts = tokenizer(texts, add_special_tokens=False).input_ids
         except Exception as e:  # e.g. a word-level tokenizer without an unknown token meets a new character
             raise UsageError(_unencodable(tokenizer, examples, what, e)) from None
-        kept = [e for e, ids in zip(examples, prompts) if len(ids) <= limit]
+        empty = sum(len(ids) == 0 for ids in prompts)  # nothing to continue from
+        if empty == len(examples):
+            raise UsageError(f"{what}: all {len(examples)} prompts are empty (no token, and no chat template or BOS "
+                             "token around them). Check --prompt-field, or leave --chat-template on.")
+        if empty:
+            print0(f"{what}: dropped {empty} of {len(examples)} prompts that are empty (no token)")
+        kept = [e for e, ids in zip(examples, prompts) if 0 < len(ids) <= limit]
         if not kept:
             raise UsageError(f"{what}: all {len(examples)} prompts are {why}. Raise --max-prompt-length, or lower "
                              "--max-new-tokens.")
-        if len(kept) < len(examples):
-            print0(f"{what}: dropped {len(examples) - len(kept)} of {len(examples)} prompts {why}")
+        if len(kept) < len(examples) - empty:
+            print0(f"{what}: dropped {len(examples) - empty - len(kept)} of {len(examples)} prompts {why}")
         fitted.append(kept)
     check_round_trip(tokenizer, train[:64])
     return fitted[0], fitted[1]
@@ -215,7 +235,12 @@ def format_prompt(tokenizer, prompt: str, chat_template: bool) -> str:
     tokenizer has a template (and `--chat-template` is on), else the raw prompt after BOS."""
     if chat_template and tokenizer.chat_template:
         messages = [{"role": "user", "content": prompt}]
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # jinja2's TemplateError, or what the template raises itself
+            raise UsageError(f"the chat template of --model cannot render a prompt ({type(e).__name__}: {e}). Fix its "
+                             "chat_template.jinja (or chat_template in tokenizer_config.json), or pass "
+                             "--no-chat-template.") from None
     return (tokenizer.bos_token or "") + prompt
 
 

@@ -3,6 +3,7 @@ log-probs can be recomputed from them, and sharding them with FSDP2."""
 
 import contextlib
 import json
+import pickle
 from pathlib import Path
 
 import torch
@@ -34,12 +35,28 @@ def check_model_name(name: str, flag: str = "--model") -> None:
                              "config.json (copy it again from where the model came from).")
 
 
+def from_pretrained(auto_class, name: str, flag: str = "--model", **kwargs):
+    """`auto_class.from_pretrained(name, **kwargs)` that never runs code from the model's folder or repository:
+    every config, tokenizer and model of this project is loaded through here. A model whose architecture
+    transformers does not have (its config names a Python file in `auto_map`) stops with one line instead
+    of transformers' question "Do you wish to run the custom code?", which a `yes |` would answer."""
+    try:
+        return auto_class.from_pretrained(name, trust_remote_code=False, **kwargs)
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise UsageError(f"{flag} {name!r}: it needs code from the model's folder or repository (auto_map), and code "
+                         "from a model is never run here. Use a model whose architecture transformers has.") from None
+
+
 def load_tokenizer(name: str, flag: str = "--model"):
     """Left padding (prompts end where generation starts) and a pad token distinct from EOS, so that
     masking padding can never mask the real EOS token, which is an action and gets gradient."""
     check_model_name(name, flag)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        tokenizer = from_pretrained(AutoTokenizer, name, flag)
+    except UsageError:
+        raise
     except (OSError, ValueError) as e:
         raise UsageError(f"{flag} {name!r}: cannot load its tokenizer ({str(e).splitlines()[0]}). "
                          "Pass a local folder or a Hugging Face model name reachable from this machine.") from None
@@ -64,19 +81,24 @@ def load_model(name: str, dtype: str, device: torch.device, tokenizer, auto_clas
         dtype = "bfloat16" if device.type == "cuda" else "float32"
     check_model_name(name, flag)
     try:
-        config = AutoConfig.from_pretrained(name)
+        config = from_pretrained(AutoConfig, name, flag)
         _zero_dropout(config)
         backbone = auto_class is not AutoModelForCausalLM  # e.g. a critic: a causal LM's head is left unused
         with transformers_quiet(backbone):
-            model, info = auto_class.from_pretrained(name, config=config, dtype=getattr(torch, dtype),
-                                                     output_loading_info=True)
+            model, info = from_pretrained(auto_class, name, flag, config=config, dtype=getattr(torch, dtype),
+                                          output_loading_info=True)
         missing = info["missing_keys"] or info["mismatched_keys"]
         if backbone and missing:  # the report that was silenced, when it says something worth saying
             print0(f"warning: {flag} {name!r}: weights not in the checkpoint, left as initialised: "
                    f"{sorted(map(str, missing))[:5]}")
+    except UsageError:
+        raise
     except SafetensorError as e:
         raise UsageError(f"{flag} {name!r}: cannot read its weights ({e}). A file is damaged or incomplete (an "
                          "interrupted download or copy?): copy the model again.") from None
+    except pickle.UnpicklingError:  # torch.load(weights_only=True) met something other than tensors
+        raise UsageError(f"{flag} {name!r}: its weights file holds pickled data other than tensors. Refused without "
+                         "running it: use the model's safetensors weights, or a copy you trust.") from None
     except (OSError, ValueError) as e:
         raise UsageError(f"{flag} {name!r}: cannot load it ({str(e).splitlines()[0]}). "
                          "Pass a local folder or a Hugging Face model name reachable from this machine.") from None

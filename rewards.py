@@ -50,12 +50,16 @@ def _to_number(text: str) -> float | None:
 
 MATH_VERIFY_TIMEOUT_S = 2.0  # wall-clock seconds math-verify may spend on one completion before it scores 0
 
-# The child process that runs math-verify: one (gold, completion) JSON line in, "1" or "0" out.
-# Its own timeouts are off (they are signal.alarm, which fails outside a main thread and cannot stop C
+# The child process that runs math-verify: one (gold, completion) JSON line in, "1" or "0" out. It runs
+# isolated (`python -I`: neither the working directory nor PYTHON* variables on its path, so a `json.py`
+# lying there is not imported), with the folder that holds math_verify (argv[1]) added. Its own
+# timeouts are off (they are signal.alarm, which fails outside a main thread and cannot stop C
 # code such as big-integer arithmetic); the parent enforces the deadline. An address-space limit turns a
 # runaway allocation into a MemoryError (scored 0) rather than the machine's OOM killer.
 _MATH_VERIFY_CHILD = r"""
-import json, logging, resource, sys
+import sys
+sys.path.append(sys.argv[1])
+import json, logging, resource
 resource.setrlimit(resource.RLIMIT_AS, (4 * 2**30, 4 * 2**30))
 logging.disable(logging.WARNING)
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
@@ -83,9 +87,11 @@ class MathVerifier:
         self.timeout_s, self.child, self.timeouts = timeout_s, None, 0
 
     def _start(self) -> None:
-        if importlib.util.find_spec("math_verify") is None:
+        found = importlib.util.find_spec("math_verify")
+        if found is None:
             raise UsageError("the math reward needs math-verify: pip install -r requirements.txt")
-        self.child = subprocess.Popen([sys.executable, "-c", _MATH_VERIFY_CHILD], stdin=subprocess.PIPE,
+        where = str(Path(found.origin).parent.parent)  # the site-packages (or other folder) it is installed in
+        self.child = subprocess.Popen([sys.executable, "-I", "-c", _MATH_VERIFY_CHILD, where], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         if not select.select([self.child.stdout], [], [], 120)[0] or self.child.stdout.readline() != "ready\n":
             self._stop()
@@ -205,19 +211,27 @@ def load_reward_fn(spec: str, examples: list[dict] = ()):
 
 
 def call_reward_fn(fn, spec: str, prompts: list[str], completions: list[str], answers: list[str]) -> torch.Tensor:
-    """A user reward function's values (B,): one finite float per completion, or a stop that says what it gave."""
+    """A user reward function's values (B,): one finite float per completion, or a stop that says what it gave.
+    It gets copies of the lists (what it does to them changes nothing here). It has no deadline: it runs in
+    this process, where it may hold a model or a connection (under torchrun the other ranks stop after
+    --dist-timeout; give its own calls to a server a timeout)."""
     try:
-        values = fn(prompts, completions, answers)
+        values = fn(list(prompts), list(completions), list(answers))
+    except SystemExit as e:  # an exit inside it would end the run with its status, and no final/
+        raise UsageError(f"--reward-fn {spec!r} called sys.exit({e.code}). A reward function must return its "
+                         "values; to stop the run, raise an exception.") from None
     except Exception as e:
         raise UsageError(f"--reward-fn {spec!r} raised {type(e).__name__}: {e}") from None
-    try:
-        out = torch.tensor([float(v) for v in values], dtype=torch.float32)
-    except (TypeError, ValueError):
-        out = None
+    out = None
+    if isinstance(values, (list, tuple, torch.Tensor)) or type(values).__name__ == "ndarray":  # not a dict's keys
+        try:
+            out = torch.tensor([float(v) for v in values], dtype=torch.float32)
+        except (TypeError, ValueError):
+            pass
     if out is None or len(out) != len(completions) or not out.isfinite().all():
         shown = repr(values) if out is None else repr(out.tolist()[:4])
-        raise UsageError(f"--reward-fn {spec!r} must return one finite float per completion ({len(completions)}), "
-                         f"got {shown[:200]}.")
+        raise UsageError(f"--reward-fn {spec!r} must return a list of one finite float per completion "
+                         f"({len(completions)}), got {shown[:200]}.")
     return out
 
 

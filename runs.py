@@ -2,7 +2,9 @@
 written atomically, each rank its own shards, and read back unpickling nothing beyond tensors and plain
 data."""
 
+import contextlib
 import datetime
+import errno
 import fcntl
 import functools
 import json
@@ -13,6 +15,7 @@ import random
 import re
 import shlex
 import shutil
+import stat
 import sys
 import time
 import warnings
@@ -37,6 +40,7 @@ from models import transformers_quiet
 
 CHECKPOINT_INFO = "checkpoint.json"  # in every checkpoint folder: the file, step, ranks and flags that wrote it
 TRAINING_STATE = "training_state"  # the resumable state: a torch.distributed.checkpoint folder of shards
+ROOT = Path(__file__).resolve().parent  # the repository: a --model inside it is recorded relative to it
 RUN_LOCK = ".run.lock"  # in every run folder; held (fcntl) by the process that writes into the folder
 _HELD_LOCKS: dict[str, int] = {}  # run folder -> open lock file: kept open for the life of the process
 NOT_COMPARED = ("resume", "run_name", "output_dir")  # flags that differ between a run and its resumption
@@ -60,8 +64,8 @@ class Logger:
             except ImportError:
                 raise UsageError("--track needs wandb: pip install wandb") from None
             self.wandb = wandb.init(name=run_dir.name, config=config)
-        (run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        self.file = open(run_dir / "metrics.jsonl", "a")  # a resumed run appends (prepare_run_dir cut it back)
+        replace_file(run_dir / "config.json", json.dumps(recorded(config), indent=2, default=str))
+        self.file = open_to_append(run_dir / "metrics.jsonl")  # a resumed run appends (claim_run_dir cut it back)
         try:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -146,11 +150,14 @@ def resume_hint(run_dir: Path) -> str:
                 (i > 0 and argv[i - 1] in replaced):
             continue
         kept.append(arg)
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    world_size, nodes = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("GROUP_WORLD_SIZE", 1))
     launcher = ["python"] if world_size == 1 else ["torchrun", f"--nproc_per_node={world_size}"]
+    if nodes > 1:  # torchrun's agents, one per node
+        launcher = ["torchrun", f"--nnodes={nodes}", f"--nproc_per_node={os.environ['LOCAL_WORLD_SIZE']}"]
     command = shlex.join([*launcher, sys.argv[0], *kept, "--output-dir", str(run_dir.parent), "--run-name",
                           run_dir.name, "--resume", "latest"])
-    return f"Last checkpoint: {checkpoint}. Go on from it with: {command}"
+    where = " (on every node, with its rendezvous flags)" if nodes > 1 else ""
+    return f"Last checkpoint: {checkpoint}. Go on from it with: {command}{where}"
 
 
 def _decided_on_rank_0(fn, rank: int, *args):
@@ -180,13 +187,16 @@ def _find_run_dir(run_info: dict) -> tuple[Path, Path | None]:
         if run_name is None:
             raise UsageError("--resume latest continues the run named by --run-name: pass it.")
         run_dir = Path(config["output_dir"]) / run_name
-        checkpoint = latest_checkpoint(run_dir)
+        checkpoint = _newest_checkpoint(run_dir)
         if checkpoint is None:
-            raise UsageError(f"--resume latest: no checkpoint under {run_dir}. Pass the --run-name of the run to "
-                             "continue (its checkpoints are written every --save-every steps), or a checkpoint folder.")
+            again = ("Run it again without --resume: it starts over in that folder (what it logged is kept aside)."
+                     if _is_run_dir(run_dir) and not _has_checkpoints(run_dir) else
+                     "Pass the --run-name of the run to continue (its checkpoints are written every --save-every "
+                     "steps), or a checkpoint folder.")
+            raise UsageError(f"--resume latest: no checkpoint under {run_dir}. {again}")
     elif resume:
         checkpoint = Path(resume)
-        if not _checkpoint_info(checkpoint).get("resumable"):
+        if not _read_checkpoint_info(checkpoint).get("resumable"):
             raise UsageError(f"--resume {resume}: not a resumable checkpoint (no {CHECKPOINT_INFO} of a step "
                              f"checkpoint). Pass a <run>/step_N folder written by --save-every, or 'latest' with "
                              "--run-name.")
@@ -200,30 +210,73 @@ def _find_run_dir(run_info: dict) -> tuple[Path, Path | None]:
         run_dir = Path(config["output_dir"]) / run_name if run_name else default_dir
     if checkpoint is not None:
         _check_same_run(checkpoint, run_info)
-    if not _continues(run_dir, checkpoint) and run_dir.exists() and _holds_a_run(run_dir):
-        raise _taken(run_dir)
+        _metrics_lines(checkpoint.parent)  # a damaged line stops here, before anything is loaded
+    _refuse_links(run_dir)
+    if not _continues(run_dir, checkpoint):
+        _can_start_in(run_dir)
     return run_dir, checkpoint
-
-
-def _taken(run_dir: Path) -> UsageError:
-    return UsageError(f"--run-name {run_dir.name}: {run_dir} already holds a run. Continue it with --resume latest, "
-                      "or choose another --run-name or --output-dir.")
 
 
 def _continues(run_dir: Path, checkpoint: Path | None) -> bool:
     return checkpoint is not None and checkpoint.parent.resolve() == run_dir.resolve()
 
 
+def _can_start_in(run_dir: Path) -> bool:
+    """Whether a new run may write into run_dir, else a stop that says why: it may when the folder is new or
+    empty, or a run of this project (it holds the run lock) with no checkpoint and no final/: a start that
+    failed, or a run killed before its first checkpoint. True when that run logged steps, which the new run
+    sets aside."""
+    if not os.path.lexists(run_dir):
+        return False
+    if not run_dir.is_dir():
+        raise UsageError(f"--run-name {run_dir.name}: {run_dir} is a file, not a run folder. Choose another --run-name "
+                         "or --output-dir.")
+    if not any(run_dir.iterdir()):
+        return False
+    if not os.path.lexists(run_dir / RUN_LOCK):
+        names = sorted(p.name for p in run_dir.iterdir())
+        raise UsageError(f"--run-name {run_dir.name}: {run_dir} holds files that are not a run's of this project "
+                         f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}). Choose another --run-name or "
+                         "--output-dir.")
+    if _has_checkpoints(run_dir):
+        go_on = "Continue it with --resume latest, or choose" if latest_checkpoint(run_dir) else "Choose"
+        raise UsageError(f"--run-name {run_dir.name}: {run_dir} already holds a run. {go_on} another --run-name or "
+                         "--output-dir.")
+    metrics = run_dir / "metrics.jsonl"
+    return metrics.exists() and metrics.stat().st_size > 0
+
+
+def _has_checkpoints(run_dir: Path) -> bool:
+    return bool(_step_folders(run_dir)) or os.path.lexists(run_dir / "final")
+
+
+def _refuse_links(run_dir: Path) -> None:
+    """Stop when run_dir holds a symbolic link: whatever this project would write through it (metrics, config,
+    lock, checkpoints) would land wherever it points."""
+    for path in run_dir.iterdir() if run_dir.is_dir() else ():
+        if path.is_symlink():
+            raise UsageError(f"{path} is a symbolic link: a run folder holds none (a write through it would land "
+                             "elsewhere). Remove it, or choose another --run-name.")
+
+
 def _claim_run_dir(run_dir: Path, checkpoint: Path | None) -> None:
+    if not _continues(run_dir, checkpoint):
+        _can_start_in(run_dir)  # before the lock is created in it: a folder of someone else's stays as it was
     _lock(run_dir)
+    _refuse_links(run_dir)  # checked again under the lock: another run may have written since start-up
     if _continues(run_dir, checkpoint):
-        _set_aside_after(run_dir, _checkpoint_info(checkpoint)["step"])
+        step = _read_checkpoint_info(checkpoint)["step"]
+        if aside := _set_aside_after(run_dir, step):
+            print(f"resuming from step {step}: what the run wrote after it is kept in {aside}", flush=True)
         return
-    if _holds_a_run(run_dir):  # checked again under the lock: another run may have taken it since start-up
-        raise _taken(run_dir)
-    if checkpoint is not None:
-        step, lines = _checkpoint_info(checkpoint)["step"], _metrics_lines(checkpoint.parent)
-        (run_dir / "metrics.jsonl").write_text("".join(line for line in lines if _step_of(line) < step))
+    if _can_start_in(run_dir):
+        aside = _set_aside_after(run_dir, 0)
+        print(f"{run_dir} holds a run that stopped before its first checkpoint: this run starts over there; what "
+              f"that one logged is kept in {aside}", flush=True)
+    if checkpoint is not None:  # a new folder, branching off another run: its metrics up to the checkpoint
+        step = _read_checkpoint_info(checkpoint)["step"]
+        earlier = [line for n, line in _metrics_lines(checkpoint.parent) if n < step]
+        replace_file(run_dir / "metrics.jsonl", "".join(earlier))
 
 
 def _lock(run_dir: Path) -> None:
@@ -236,7 +289,7 @@ def _lock(run_dir: Path) -> None:
             run_dir.parent.mkdir(parents=True, exist_ok=True)
             claim = run_dir.with_name(f".{run_dir.name}.claim-{os.getpid()}")
             claim.mkdir()
-            fd = os.open(claim / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(claim / RUN_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             try:
                 claim.rename(run_dir)
@@ -245,8 +298,10 @@ def _lock(run_dir: Path) -> None:
             except OSError:  # another run created it first: that run's lock decides below
                 os.close(fd)
                 shutil.rmtree(claim)
-        fd = os.open(run_dir / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(run_dir / RUN_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as error:
+        if error.errno == errno.ELOOP:
+            _refuse_links(run_dir)
         raise UsageError(f"--output-dir {run_dir.parent}: cannot create the run folder {run_dir}: "
                          f"{error.strerror or error}. Choose a writable --output-dir.") from None
     try:
@@ -262,35 +317,89 @@ def _lock(run_dir: Path) -> None:
     _HELD_LOCKS[key] = fd
 
 
+def open_to_append(path: Path):
+    """A file of the run folder opened to append, never through a link: the path must be a plain file of its
+    own (not a symbolic link, nor a hard link that another name shares) or not exist yet."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    status = os.fstat(fd)
+    if not stat.S_ISREG(status.st_mode) or status.st_nlink > 1:
+        os.close(fd)
+        raise UsageError(f"{path} is not a plain file of its own (a link, or a device): a run folder holds none. "
+                         "Remove it, or choose another --run-name.")
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Write `text` to a new file beside `path` and rename it to `path`: what was at `path` (even a link) is
+    replaced, never written through, and a failed write leaves it as it was."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w",
+                       encoding="utf-8") as file:
+            file.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def recorded(config: dict) -> dict:
+    """The flags as config.json and checkpoint.json record them: a --model inside this repository (the default,
+    tiny_model/) by its path relative to the repository, so that a copied or moved repository resumes its runs."""
+    model = Path(config.get("model", "")).expanduser()
+    if model.is_absolute() and model.resolve().is_relative_to(ROOT):
+        return {**config, "model": str(model.resolve().relative_to(ROOT))}
+    return config
+
+
 def _is_run_dir(path: Path) -> bool:
-    return (path / RUN_LOCK).exists() or (path / "metrics.jsonl").exists()
+    return os.path.lexists(path / RUN_LOCK)
 
 
-def _step_of(line: str) -> int:
-    return json.loads(line)["step"] if line.endswith("\n") else math.inf  # a line cut by a crash is dropped
-
-
-def _holds_a_run(run_dir: Path) -> bool:
-    """True when a new run must not take run_dir: it has a logged step or a checkpoint, or it holds files
-    of its own (it is not a run folder)."""
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.exists() and metrics.read_text().strip():
-        return True
-    ours = {RUN_LOCK, "metrics.jsonl", "config.json"}
-    return any(p.name not in ours and not p.name.startswith("events.out.tfevents") for p in run_dir.iterdir())
+def _read_checkpoint_info(path: Path) -> dict:
+    """The checkpoint.json of a checkpoint folder ({} when there is none), or a stop naming what is wrong with it."""
+    path = Path(path)
+    file = path / CHECKPOINT_INFO
+    if not file.is_file():
+        return {}
+    try:
+        info = json.loads(file.read_bytes().decode())
+    except (OSError, ValueError, RecursionError):
+        info = None
+    fields = {"algorithm": str, "step": int, "world_size": int, "resumable": bool, "config": dict}
+    if not isinstance(info, dict):
+        problem = "not a JSON object"
+    else:
+        problem = next((f"{key!r} missing, or not a {kind.__name__}" for key, kind in fields.items()
+                        if not isinstance(info.get(key), kind) or (kind is int and isinstance(info[key], bool))), None)
+        if problem is None and not isinstance(info["config"].get("model"), str):
+            problem = "its config has no 'model'"
+        elif problem is None and re.fullmatch(r"step_\d+", path.name) and path.name != f"step_{info['step']}":
+            problem = f"step {info['step']} in the folder {path.name}"
+    if problem:
+        raise UsageError(f"{file} is damaged ({problem}). Resume from another checkpoint (--resume <run>/step_N), "
+                         f"or move {path.name} out of the run folder.")
+    return info
 
 
 def _checkpoint_info(path: Path) -> dict:
+    """The checkpoint.json of a checkpoint folder, or {} when it has none or a damaged one."""
     try:
-        info = json.loads((Path(path) / CHECKPOINT_INFO).read_text())
-    except (OSError, ValueError):
+        return _read_checkpoint_info(path)
+    except UsageError:
         return {}
-    return info if isinstance(info, dict) else {}
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The resumable checkpoint of the highest step in run_dir (never a half-written `step_N.tmp`)."""
     found = [p for p in _step_folders(run_dir) if _checkpoint_info(p).get("resumable")]
+    return found[-1] if found else None
+
+
+def _newest_checkpoint(run_dir: Path) -> Path | None:
+    """The step checkpoint of the highest step in run_dir, or a stop when its checkpoint.json is damaged."""
+    found = [p for p in _step_folders(run_dir) if _read_checkpoint_info(p).get("resumable")]
     return found[-1] if found else None
 
 
@@ -300,49 +409,79 @@ def _step_folders(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
-def _metrics_lines(run_dir: Path) -> list[str]:
-    metrics = run_dir / "metrics.jsonl"
-    return metrics.read_text().splitlines(keepends=True) if metrics.exists() else []
+def _metrics_lines(run_dir: Path) -> list[tuple[int, str]]:
+    """(step, line) for each complete line of run_dir's metrics.jsonl (a last line cut short by a crash, with
+    no newline, is left out), or a stop naming a line that this project does not write."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    lines = []
+    for number, raw in enumerate(path.read_bytes().split(b"\n")[:-1], 1):
+        try:
+            record = json.loads(raw.decode())
+        except (ValueError, RecursionError):
+            record = None
+        step = record.get("step") if isinstance(record, dict) else None
+        if type(step) is not int or step < 0:
+            raise UsageError(f"{path}:{number}: not a line this project writes (a JSON object with an integer "
+                             f"'step'). Delete the line, or move {path.name} out of the folder (the checkpoints do "
+                             "not need it).")
+        lines.append((step, raw.decode() + "\n"))
+    return lines
 
 
 def _check_same_run(checkpoint: Path, run_info: dict) -> None:
     """Stop when the checkpoint was written by another algorithm file, model or number of ranks; print the
-    other flags that changed."""
-    saved, config = _checkpoint_info(checkpoint), run_info["config"]
+    other flags that changed (escaped: the values come from a file)."""
+    saved, config = _read_checkpoint_info(checkpoint), recorded(run_info["config"])
+    saved_config = recorded(saved["config"])
     if saved["algorithm"] != run_info["algorithm"]:
-        raise UsageError(f"--resume {checkpoint}: written by {saved['algorithm']}, resumed by {run_info['algorithm']}. "
-                         f"Resume it with {saved['algorithm']}, or start {run_info['algorithm']} from its weights "
-                         f"with --model {checkpoint}.")
-    if saved["config"]["model"] != config["model"]:
-        raise UsageError(f"--resume {checkpoint}: trained from --model {saved['config']['model']}, resumed with "
-                         f"--model {config['model']}. Resume with --model {saved['config']['model']}.")
+        raise UsageError(f"--resume {checkpoint}: written by {_shown(saved['algorithm'])}, resumed by "
+                         f"{run_info['algorithm']}. Resume it with {_shown(saved['algorithm'])}, or start "
+                         f"{run_info['algorithm']} from its weights with --model {checkpoint}.")
+    if saved_config["model"] != config["model"]:
+        trained = saved_config["model"]  # as recorded: one inside this repository relative to it
+        trained = str(ROOT / trained) if (ROOT / trained).exists() else _shown(trained)
+        raise UsageError(f"--resume {checkpoint}: trained from --model {trained}, resumed with --model "
+                         f"{run_info['config']['model']}. Resume with --model {trained}.")
     if saved["world_size"] != config["world_size"]:
         raise UsageError(f"--resume {checkpoint}: written by {saved['world_size']} rank(s), resumed on "
                          f"{config['world_size']}. Resume with --nproc_per_node={saved['world_size']} (each rank's "
                          f"sampling stream and algorithm state are its own), or start a new run from its weights "
                          f"with --model {checkpoint}.")
-    changed = [f"--{key.replace('_', '-')} {saved['config'][key]} -> {value}" for key, value in config.items()
-               if key not in NOT_COMPARED and key in saved["config"] and saved["config"][key] != value]
+    changed = [f"--{key.replace('_', '-')} {saved_config[key]!r} -> {value!r}" for key, value in config.items()
+               if key not in NOT_COMPARED and key in saved_config and saved_config[key] != value]
     if changed:
         print(f"--resume {checkpoint}: flags changed since the checkpoint: {', '.join(changed)}", flush=True)
 
 
-def _set_aside_after(run_dir: Path, step: int) -> None:
+def _shown(text: str) -> str:
+    """`text` as it is when it prints as itself, else escaped: a value read from a file may hold control codes."""
+    return text if text.isprintable() else repr(text)
+
+
+def _set_aside_after(run_dir: Path, step: int) -> Path | None:
     """Move the checkpoints after `step`, `final/` and the metrics lines from `step` on, which the
-    resumed run will write anew, into run_dir/abandoned_after_step_<step>[.k]/."""
+    resumed run will write anew, into run_dir/abandoned_after_step_<step>[.k]/. The metrics are written
+    first and the folders moved last (a rename needs no space), so a failed write (a full disk) moves nothing."""
     later = [p for p in _step_folders(run_dir) if int(p.name[5:]) > step]
     later += [run_dir / "final"] if (run_dir / "final").exists() else []
     lines = _metrics_lines(run_dir)
-    dropped = [line for line in lines if _step_of(line) >= step]
+    dropped = [line for n, line in lines if n >= step]
     if not later and not dropped:
-        return
+        return None
     aside = _unused(run_dir / f"abandoned_after_step_{step}")
-    aside.mkdir()
+    try:
+        aside.mkdir()
+        replace_file(aside / "metrics.jsonl", "".join(dropped))
+        replace_file(run_dir / "metrics.jsonl", "".join(line for n, line in lines if n < step))
+    except OSError as error:
+        shutil.rmtree(aside, ignore_errors=True)
+        raise UsageError(f"cannot set aside what the run wrote after step {step} ({error.strerror}: {error.filename}). "
+                         "Nothing was moved: free some space and resume again.") from None
     for path in later:
         path.rename(aside / path.name)
-    (aside / "metrics.jsonl").write_text("".join(dropped))
-    (run_dir / "metrics.jsonl").write_text("".join(line for line in lines if _step_of(line) < step))
-    print(f"resuming from step {step}: what the run wrote after it is kept in {aside}", flush=True)
+    return aside
 
 
 def _training_state(modules: dict[str, torch.nn.Module], optimizer) -> dict:
@@ -411,7 +550,7 @@ def _write_checkpoint(path: Path, tmp: Path, modules: dict[str, torch.nn.Module]
                 unwrap(policy).save_pretrained(tmp, state_dict=weights)
             tokenizer.save_pretrained(tmp)
             info = {"algorithm": run_info["algorithm"], "step": step, "resumable": optimizer is not None,
-                    "world_size": dist.get_world_size() if distributed else 1, "config": run_info["config"]}
+                    "world_size": dist.get_world_size() if distributed else 1, "config": recorded(run_info["config"])}
             (tmp / CHECKPOINT_INFO).write_text(json.dumps(info, indent=2, default=str))
             _fsync_tree(tmp)
         except Exception as exc:
@@ -496,7 +635,7 @@ def _fsync_tree(folder: Path) -> None:
 def _unused(path: Path) -> Path:
     """`path`, or the first of `path.2`, `path.3`, ... that does not exist yet."""
     k = 1
-    while (found := path if k == 1 else path.with_name(f"{path.name}.{k}")).exists():
+    while os.path.lexists(found := path if k == 1 else path.with_name(f"{path.name}.{k}")):
         k += 1
     return found
 
@@ -530,10 +669,28 @@ class _SafeReader(dcp.FileSystemReader):
     def read_metadata(self, *args, **kwargs):
         with open(self._get_metadata_path(kwargs.get("rank")), "rb") as file:
             metadata = _MetadataUnpickler(file).load()
+        _check_shards(Path(self.path), metadata)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def _check_shards(folder: Path, metadata) -> None:
+    """Every shard file the metadata names lies in `folder` itself (a plain file, not a link) and holds the bytes
+    the metadata says it does; else a ValueError naming the file. Reading from anywhere else, or past the end
+    of a truncated file, would fail later with no file named, or read what is not this checkpoint's."""
+    for item in (metadata.storage_data or {}).values():
+        name = str(item.relative_path)
+        if Path(name).name != name or name in ("", ".", ".."):
+            raise ValueError(f"its metadata names a shard outside the checkpoint folder ({name!r}). Refused: do not "
+                             "resume from a folder you do not trust.")
+        file, end = folder / name, item.offset + item.length
+        if file.is_symlink() or not file.is_file():
+            raise ValueError(f"{folder.name}/{name}: missing, or not a plain file")
+        if file.stat().st_size < end:
+            raise ValueError(f"{folder.name}/{name}: {file.stat().st_size} bytes, shorter than the {end} its metadata "
+                             "records (an interrupted write or copy?)")
 
 
 class _SafeLoadPlanner(dcp.DefaultLoadPlanner):
@@ -562,15 +719,21 @@ def load_checkpoint(path: Path, modules: dict[str, torch.nn.Module], optimizer, 
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=_SafeReader(path / TRAINING_STATE), planner=_SafeLoadPlanner(),
-                     no_dist=not dist.is_initialized())
+            reader = _SafeReader(path / TRAINING_STATE)
+            reader.read_metadata()  # its checks fail here with their own message; inside dcp.load, wrapped in others
+            dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner(), no_dist=not dist.is_initialized())
         model = torch.nn.ModuleDict(modules)
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
-        with torch.serialization.safe_globals([Rollout]):  # GVPO's replayed groups
-            own = torch.load(path / f"rank_{rank}.pt", weights_only=True)
     except (Exception, dcp.CheckpointException) as error:  # a refused pickle, a shape that does not fit, ...
         raise UsageError(f"--resume {path}: cannot restore it: {_load_error(error)}") from None
+    try:
+        with torch.serialization.safe_globals([Rollout]):  # GVPO's replayed groups
+            own = torch.load(path / f"rank_{rank}.pt", weights_only=True)
+        if not isinstance(own, dict) or not {"rng", "cuda_rng", "python_rng", "extra"} <= own.keys():
+            raise ValueError("not the RNG and algorithm state this project writes")
+    except Exception as error:
+        raise UsageError(f"--resume {path}: cannot restore it: rank_{rank}.pt: {_load_error(error)}") from None
     torch.set_rng_state(own["rng"])
     random.setstate(own["python_rng"])  # unused by these files, kept for code you add
     if own["cuda_rng"] is not None:
@@ -595,6 +758,7 @@ def _load_error(error: BaseException) -> str:
         what = next((g for g in found.groups() if g), "") if found else ""
         return (f"it holds pickled data other than tensors and plain data ({what}). Refused without running "
                 "it: do not resume from a folder you do not trust.")
+    text = text or type(error).__name__
     return text if len(text) < 400 else text[:400] + " ..."
 
 

@@ -5,6 +5,7 @@ these rows (`PYTHONPATH=. python tests/test_bad_input.py > docs/bad_input.md`) a
 import importlib
 import json
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -27,7 +28,8 @@ from conftest import ROOT, read_metrics, run
 # {tmp}/runs unless a row says.
 AT_START_UP = [
     ("`--max-new-tokens 0`", ["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
-    ("`--temperature 0`", ["--temperature", "0"], "--temperature 0.0: must be > 0 (the log-probs divide the logits"),
+    ("`--temperature 0`", ["--temperature", "0"],
+     "--temperature 0.0: must be >= 0.01 (the log-probs divide the logits"),
     ("a negative `--learning-rate`", ["--learning-rate", "-1e-4"], "--learning-rate -0.0001: must be > 0"),
     ("`--num-steps 0`", ["--num-steps", "0"], "--num-steps 0: must be >= 1 (0 would save the untrained model"),
     ("a negative `--num-steps`", ["--num-steps", "-3"], "--num-steps -3: must be >= 1"),
@@ -55,6 +57,35 @@ AT_START_UP = [
      "truncated': cannot read its weights (Error while deserializing header"),
     ("`config.json` not a JSON object", ["--model", "{tmp}/config_list"],
      "config_list': its config.json is a JSON list, not a JSON object"),
+    ("a `--model` folder whose config asks to run code from the folder (`auto_map`)", ["--model", "{tmp}/custom_code"],
+     "custom_code': it needs code from the model's folder or repository (auto_map), and code from a model is never "
+     "run here"),
+    ("a `--model` folder whose pickled weights hold more than tensors", ["--model", "{tmp}/pickled_bin"],
+     "pickled_bin': its weights file holds pickled data other than tensors"),
+    ("a chat template that fails to render", ["--model", "{tmp}/bad_template"],
+     "the chat template of --model cannot render a prompt (TemplateError: no template here)"),
+    ("a `--dataset` folder holding a loading script", ["--dataset", "{tmp}/script_data"],
+     "script_data': cannot load it (RuntimeError: Dataset scripts are no longer supported"),
+    ("every prompt empty, without a chat template",
+     ["--dataset", "{tmp}/empty_prompts.jsonl", "--eval-size", "4", "--no-chat-template"],
+     "training data: all 16 prompts are empty"),
+    ("a JSONL line nested 200,000 deep", ["--dataset", "{tmp}/deep.jsonl"], "deep.jsonl:1: not valid JSON (nested "
+     "too deep)"),
+    ("a JSONL number of 5,000 digits", ["--dataset", "{tmp}/long_number.jsonl"],
+     "long_number.jsonl:1: not valid JSON (a number of more than 4300 digits)"),
+    ("`--seed 99999999999999999999999`", ["--seed", "99999999999999999999999"],
+     "--seed 99999999999999999999999: must be in [0, 2**63)"),
+    ("a `--run-name` of 300 characters", ["--run-name", "x" * 300],
+     "--run-name: 300 bytes, longer than the 240 that a folder name may have here"),
+    ("`--temperature 1e-45`", ["--temperature", "1e-45"], "--temperature 1e-45: must be >= 0.01"),
+    ("`--beta inf`", ["--beta", "inf"], "--beta inf: must be a finite number"),
+    ("`--target-kl nan` (ppo.py)", ["ppo.py", "--target-kl", "nan"], "--target-kl nan: must be a finite number"),
+    ("`--no-eos-score inf` (ppo.py)", ["ppo.py", "--no-eos-score", "inf"], "--no-eos-score inf: must be a finite "
+     "number"),
+    ("a `--reward-fn` that returns a dict", ["--reward-fn", "{tmp}/user_rewards.py:as_dict"],
+     "must return a list of one finite float per completion (2), got {0: 1.0, 1: 1.0}"),
+    ("a `--reward-fn` that empties the list it was given", ["--reward-fn", "{tmp}/user_rewards.py:emptied"],
+     "must return a list of one finite float per completion (2), got []"),
 ]
 
 # Inputs found later, each with its own test below: (input, the start of the message).
@@ -66,7 +97,39 @@ LATER = {
                 "waited more than --dist-timeout 0.2 minutes for another rank"),
     "round-trip": ("a tokenizer that does not give the prompts back (a warning; the run goes on)",
                    "warning: the tokenizer of --model (TokenizersBackend) does not give the prompts back"),
+    "link": ("a symbolic link in the run folder (`config.json`, `metrics.jsonl`, `.run.lock`, even dangling)",
+             "is a symbolic link: a run folder holds none (a write through it would land elsewhere)"),
+    "foreign": ("`--output-dir`/`--run-name` a folder that holds files this project did not write",
+                "holds files that are not a run's of this project (config.json)"),
+    "metrics": ("a bad complete line in `metrics.jsonl` (not JSON, a list, no step, NUL or non-UTF-8 bytes)",
+                "metrics.jsonl:2: not a line this project writes"),
+    "info": ("a damaged `checkpoint.json` (a field missing, the config a list, the step '3' or 2.5)",
+             "checkpoint.json is damaged"),
+    "outside": ("checkpoint metadata naming a shard outside the checkpoint folder",
+                "its metadata names a shard outside"),
+    "shard": ("a 0-byte or raw-pickle shard", "cannot restore it: training_state/__0_0.distcp: "),
+    "full": ("a full disk while `--resume <run>/step_2` sets steps 4 and 6 aside",
+             "cannot set aside what the run wrote after step 2 (No space left on device"),
+    "exit": ("a `--reward-fn` that calls `sys.exit(0)`",
+             "called sys.exit(0). A reward function must return its values"),
 }
+
+# Inputs that are handled rather than refused: (input, what happens), each with its test below.
+HANDLED = [
+    ("a `--model` that needs custom code, answered 'y' on standard input",
+     "the code is not run: every load passes `trust_remote_code=False`"),
+    ("a `json.py` (or any module) in the working directory of a run on math data",
+     "not imported: the math grader's process runs with `python -I` (isolated)"),
+    ("a run killed after logging a step, before its first checkpoint, run again with the same name",
+     "starts over in its folder; what it logged is kept in `abandoned_after_step_0/`"),
+    ("`--resume latest` in a copied or moved repository, on the default model",
+     "goes on: the default model is recorded as `tiny_model`, relative to the repository"),
+    ("control characters (ANSI escapes) in a flag value of `checkpoint.json`",
+     "printed escaped (`repr`) in the 'flags changed' line"),
+    ("a `--reward-fn` that hangs",
+     "no deadline: it runs in the training process, where it may hold a model or a connection. Under torchrun "
+     "the other ranks stop after `--dist-timeout`; on one process, Ctrl-C stops it. Give its own calls a timeout"),
+]
 
 
 def make_inputs(tmp: Path) -> None:
@@ -83,6 +146,59 @@ def make_inputs(tmp: Path) -> None:
     (tmp / "truncated" / "model.safetensors").write_bytes(weights[: len(weights) // 2])  # an interrupted copy
     shutil.copytree(models.DEFAULT_MODEL, tmp / "config_list")
     (tmp / "config_list" / "config.json").write_text("[1, 2]")
+    make_custom_code_model(tmp / "custom_code", tmp / "code-ran")
+    make_pickled_model(tmp / "pickled_bin", tmp / "code-ran")
+    shutil.copytree(models.DEFAULT_MODEL, tmp / "bad_template")
+    (tmp / "bad_template" / "chat_template.jinja").write_text("{{ raise_exception('no template here') }}")
+    (tmp / "script_data").mkdir()
+    (tmp / "script_data" / "script_data.py").write_text(f"open({str(tmp / 'code-ran')!r}, 'w')\n")
+    (tmp / "empty_prompts.jsonl").write_text("".join(json.dumps({"prompt": "", "answer": "1"}) + "\n"
+                                                     for _ in range(20)))
+    (tmp / "deep.jsonl").write_text("[" * 200_000 + "]" * 200_000 + "\n")
+    (tmp / "long_number.jsonl").write_text('{"prompt": "1+1", "answer": ' + "9" * 5000 + "}\n")
+    (tmp / "user_rewards.py").write_text(USER_REWARDS)
+
+
+USER_REWARDS = """
+def as_dict(prompts, completions, answers):
+    return {i: 1.0 for i in range(len(completions))}
+
+def emptied(prompts, completions, answers):
+    completions.clear()
+    return []
+"""
+
+
+def make_custom_code_model(folder: Path, marker: Path) -> None:
+    """The tiny model, its config naming an architecture transformers does not have and, in `auto_map`, a
+    Python file beside it that would define it: loading it would run that file, which leaves `marker`."""
+    shutil.copytree(models.DEFAULT_MODEL, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="mine", auto_map={"AutoConfig": "mine.MineConfig", "AutoModelForCausalLM": "mine.Mine"})
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "mine.py").write_text(f"open({str(marker)!r}, 'w')\nfrom transformers import Qwen3Config\n"
+                                    "class MineConfig(Qwen3Config):\n    model_type = 'mine'\n")
+
+
+class Payload:
+    """Unpickling this runs a shell command that leaves a file behind: the proof that code ran."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def make_pickled_model(folder: Path, marker: Path) -> None:
+    """The tiny model with its weights as a pickled `pytorch_model.bin` that also holds a payload."""
+    import torch
+    from safetensors.torch import load_file
+
+    shutil.copytree(models.DEFAULT_MODEL, folder)
+    weights = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    torch.save({**weights, "extra": Payload(marker)}, folder / "pytorch_model.bin")
 
 
 @pytest.mark.parametrize("what, argv, message", AT_START_UP, ids=[row[0] for row in AT_START_UP])
@@ -99,6 +215,7 @@ def test_bad_input_stops_at_start_up_with_one_line(tmp_path, what, argv, message
     assert "\n" not in str(stop.value)  # one line
     assert message in str(stop.value)
     assert not (tmp_path / "runs").exists() and not (tmp_path / "read_only" / "runs").exists()  # nothing written
+    assert not (tmp_path / "code-ran").exists()  # no code from a model or data folder ran
 
 
 def small(tmp_path: Path, *more: str, steps: int = 4) -> list[str]:
@@ -240,12 +357,265 @@ def test_healthy_runs_print_no_alarming_noise(tmp_path, capfd):
     assert not re.search(r"warning", err, re.IGNORECASE), err
 
 
+# --- The run folder, checkpoints and what a run is given, each as an attacker or a careless user would ---
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A finished 6-step run with checkpoints at steps 2, 4 and 6 (runs/r); each test works on a copy."""
+    out = tmp_path_factory.mktemp("finished")
+    grpo.main(cli(grpo.Args, args=small(out, "--run-name", "r", "--save-every", "2", steps=6)[1:]))
+    return out / "runs" / "r"
+
+
+def copy_run(finished_run: Path, tmp_path: Path) -> Path:
+    shutil.copytree(finished_run, tmp_path / "runs" / "r", symlinks=True)
+    return tmp_path / "runs" / "r"
+
+
+def listing(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() and not p.is_symlink() else b""
+            for p in sorted(folder.rglob("*"))}
+
+
+def resume(tmp_path: Path, checkpoint: str = "latest", *more: str, steps: int = 8, module=grpo):
+    argv = small(tmp_path, "--run-name", "r", "--save-every", "2", "--resume", checkpoint, *more, steps=steps)[1:]
+    return module.main(cli(module.Args, args=argv))
+
+
+@pytest.mark.parametrize("name", ["config.json", "metrics.jsonl"])
+@pytest.mark.parametrize("how", ["latest", "step_2"])
+def test_a_link_in_the_run_folder_is_never_written_through(tmp_path, finished_run, name, how):
+    run_dir = copy_run(finished_run, tmp_path)
+    outside = tmp_path / "someone_elses_file"
+    outside.write_bytes((run_dir / name).read_bytes())
+    (run_dir / name).unlink()
+    (run_dir / name).symlink_to(outside)
+    before = listing(run_dir)
+    with pytest.raises(UsageError) as stop:
+        resume(tmp_path, "latest" if how == "latest" else str(run_dir / "step_2"))
+    assert f"{run_dir / name} {LATER['link'][1]}" in str(stop.value) and "\n" not in str(stop.value)
+    assert outside.read_bytes() == (finished_run / name).read_bytes()
+    assert listing(run_dir) == before
+
+
+def test_a_dangling_lock_link_creates_nothing_outside(tmp_path):
+    run_dir = tmp_path / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    (run_dir / ".run.lock").symlink_to(tmp_path / "created_outside")
+    with pytest.raises(UsageError, match=re.escape(f"{runs.RUN_LOCK} {LATER['link'][1]}")):
+        grpo.main(cli(grpo.Args, args=small(tmp_path, "--run-name", "r", steps=1)[1:]))
+    assert not (tmp_path / "created_outside").exists()
+
+
+def test_a_folder_holding_someone_elses_files_is_not_taken(tmp_path):
+    app = tmp_path / "v" / "app"
+    app.mkdir(parents=True)
+    (app / "config.json").write_text('{"port": 8080}')
+    argv = small(tmp_path, "--output-dir", str(tmp_path / "v"), "--run-name", "app", steps=1)[1:]
+    with pytest.raises(UsageError, match=re.escape(f"{app} {LATER['foreign'][1]}")):
+        grpo.main(cli(grpo.Args, args=argv))
+    assert [p.name for p in app.iterdir()] == ["config.json"] and (app / "config.json").read_text() == '{"port": 8080}'
+
+
+def edit_metadata(checkpoint: Path, edit) -> None:
+    """Rewrite DCP's .metadata of a checkpoint (a pickle of plain classes; this test trusts its own)."""
+    metadata_file = checkpoint / runs.TRAINING_STATE / ".metadata"
+    metadata = pickle.loads(metadata_file.read_bytes())
+    edit(metadata)
+    metadata_file.write_bytes(pickle.dumps(metadata))
+
+
+def test_a_shard_path_outside_the_checkpoint_is_refused(tmp_path, finished_run):
+    run_dir = copy_run(finished_run, tmp_path)
+    shard = run_dir / "step_6" / runs.TRAINING_STATE / "__0_0.distcp"
+    shutil.copy(shard, tmp_path / "elsewhere.distcp")
+
+    def point_outside(metadata):
+        for info in metadata.storage_data.values():
+            info.relative_path = "../../../../elsewhere.distcp"
+
+    edit_metadata(run_dir / "step_6", point_outside)
+    shard.unlink()  # what is read can only come from outside
+    with pytest.raises(UsageError, match=f"step_6: cannot restore it: {LATER['outside'][1]}"):
+        resume(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["empty", "raw pickle"])
+def test_a_damaged_shard_is_named_with_its_cause(tmp_path, finished_run, damage):
+    run_dir = copy_run(finished_run, tmp_path)
+    shard = run_dir / "step_6" / runs.TRAINING_STATE / "__0_0.distcp"
+    shard.write_bytes(b"" if damage == "empty" else pickle.dumps({"weights": [1.0, 2.0]}))
+    with pytest.raises(UsageError) as stop:
+        resume(tmp_path)
+    message = str(stop.value)
+    assert LATER["shard"][1] in message and "\n" not in message
+    assert not message.rstrip().endswith(":") and len(message.split(LATER["shard"][1])[1]) > 10, message
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_over(tmp_path):
+    """Killed after logging steps 0 and 1, before any checkpoint: the same command again runs, in that folder."""
+    argv = small(tmp_path, "--run-name", "r", steps=2)[1:]
+    grpo.main(cli(grpo.Args, args=argv))
+    run_dir = tmp_path / "runs" / "r"
+    shutil.rmtree(run_dir / "final")  # as if killed before the end
+    logged = (run_dir / "metrics.jsonl").read_text()
+    with pytest.raises(UsageError, match="no checkpoint under .* Run it again without --resume: it starts over"):
+        grpo.main(cli(grpo.Args, args=[*argv, "--resume", "latest"]))
+    grpo.main(cli(grpo.Args, args=argv))
+    assert [m["step"] for m in read_metrics(run_dir)] == [0, 1] and (run_dir / "final").is_dir()
+    assert (run_dir / "abandoned_after_step_0" / "metrics.jsonl").read_text() == logged
+
+
+@pytest.mark.slow
+def test_a_copied_repository_resumes_a_run_of_the_default_model(tmp_path):
+    first = tmp_path / "first"
+    first.mkdir()
+    for path in ROOT.iterdir():
+        if path.suffix == ".py" or path.name == "tiny_model":
+            (shutil.copytree if path.is_dir() else shutil.copy)(path, first / path.name)
+    argv = [str(first / "grpo.py"), *small(tmp_path, "--run-name", "r", "--save-every", "2", steps=2)[1:]]
+    subprocess.run([sys.executable, *argv], cwd=tmp_path, check=True, capture_output=True)
+    first.rename(tmp_path / "moved")
+    argv = [str(tmp_path / "moved" / "grpo.py"), *small(tmp_path, "--run-name", "r", "--resume", "latest", steps=4)[1:]]
+    result = subprocess.run([sys.executable, *argv], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert [m["step"] for m in read_metrics(tmp_path / "runs" / "r")] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("line", [b"not json", b"[1, 2]", b'{"x": 1}', b'{"step": "1"}', b"\x00\x00", b"\xff"],
+                         ids=["not-json", "list", "no-step", "step-text", "nul", "0xff"])
+def test_a_bad_metrics_line_stops_a_resume_with_one_line(tmp_path, finished_run, line):
+    run_dir = copy_run(finished_run, tmp_path)
+    lines = (run_dir / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+    (run_dir / "metrics.jsonl").write_bytes(lines[0] + line + b"\n" + b"".join(lines[1:]))
+    before = listing(run_dir)
+    for checkpoint in ("latest", str(run_dir / "step_4")):
+        with pytest.raises(UsageError, match=re.escape(f"{run_dir / 'metrics.jsonl'}:2: not a line this project")):
+            resume(tmp_path, checkpoint)
+    with pytest.raises(UsageError, match="already holds a run"):  # a new run of that name: the usual refusal
+        grpo.main(cli(grpo.Args, args=small(tmp_path, "--run-name", "r", steps=1)[1:]))
+    assert listing(run_dir) == before
+
+
+@pytest.mark.parametrize("damage", ["no algorithm", "no model", "no step", "no world_size", "config a list",
+                                    "step '3'", "step 2.5", "not an object"])
+def test_a_damaged_checkpoint_info_stops_before_anything_moves(tmp_path, finished_run, damage):
+    run_dir = copy_run(finished_run, tmp_path)
+    info_file = run_dir / "step_2" / runs.CHECKPOINT_INFO
+    info = json.loads(info_file.read_text())
+    key = damage.split()[1]
+    if damage.startswith("no "):
+        del (info["config"] if key == "model" else info)[key]
+    elif damage == "config a list":
+        info["config"] = list(info["config"])
+    elif damage.startswith("step "):
+        info["step"] = json.loads(key.replace("'", '"'))
+    else:
+        info = [info]
+    info_file.write_text(json.dumps(info))
+    before = listing(run_dir)
+    with pytest.raises(UsageError) as stop:
+        resume(tmp_path, str(run_dir / "step_2"))
+    assert f"{info_file.parent}/{LATER['info'][1]}" in str(stop.value) and "\n" not in str(stop.value)
+    assert listing(run_dir) == before
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 48 MB file system of its own (tmpfs), to be filled up; mounting one needs root."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a small file system needs root")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def test_a_full_disk_during_a_resume_leaves_the_folder_as_it_was(tmp_path, finished_run, small_disk):
+    shutil.copytree(finished_run, small_disk / "runs" / "r")
+    run_dir = small_disk / "runs" / "r"
+    with open(small_disk / "filler", "wb", buffering=0) as filler:  # every block of the disk taken
+        try:
+            while True:
+                filler.write(b"\0" * 4096)
+        except OSError:
+            pass
+    before = listing(run_dir)
+    argv = small(small_disk, "--run-name", "r", "--save-every", "2", "--resume", str(run_dir / "step_2"), steps=8)
+    with pytest.raises(UsageError, match=re.escape(LATER["full"][1])):
+        grpo.main(cli(grpo.Args, args=argv[1:]))
+    assert listing(run_dir) == before
+
+
+EXITS = """
+calls = []
+def reward(prompts, completions, answers):
+    calls.append(1)
+    if len(calls) == 3:  # the start-up check and step 0 pass
+        import sys
+        sys.exit(0)
+    return [0.0] * len(completions)
+"""
+
+
+@pytest.mark.slow
+def test_a_reward_fn_that_exits_stops_the_run_as_a_failure(tmp_path):
+    (tmp_path / "exits.py").write_text(EXITS)
+    result = run(small(tmp_path, "--run-name", "r", "--reward-fn", f"{tmp_path / 'exits.py'}:reward"), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: --reward-fn '{tmp_path / 'exits.py'}:reward' "
+                                                             f"{LATER['exit'][1]}"), result.stderr
+
+
+def test_control_characters_in_a_checkpoints_flags_are_printed_escaped(tmp_path, finished_run, capsys):
+    run_dir = copy_run(finished_run, tmp_path)
+    info_file = run_dir / "step_6" / runs.CHECKPOINT_INFO
+    info = json.loads(info_file.read_text())
+    info["config"]["dataset_config"] = "\x1b[2J\x1b[31mall clear"
+    info_file.write_text(json.dumps(info))
+    capsys.readouterr()
+    resume(tmp_path)
+    out = capsys.readouterr().out
+    assert "--dataset-config '\\x1b[2J\\x1b[31mall clear' -> None" in out and "\x1b" not in out
+
+
+def test_the_math_grader_does_not_import_from_the_working_directory(tmp_path, monkeypatch):
+    from rewards import MathVerifier
+
+    (tmp_path / "json.py").write_text(f"open({str(tmp_path / 'code-ran')!r}, 'w')\nfrom _json import *\n")
+    monkeypatch.chdir(tmp_path)
+    verifier = MathVerifier()
+    try:
+        assert verifier("$\\frac{1}{2}$", "\\boxed{0.5}")
+    finally:
+        if verifier.child is not None:
+            verifier._stop()
+    assert not (tmp_path / "code-ran").exists()
+
+
+@pytest.mark.slow
+def test_code_in_a_model_folder_never_runs_even_when_the_answer_is_yes(tmp_path):
+    """transformers asks "Do you wish to run the custom code?" when trust_remote_code is left unset."""
+    make_custom_code_model(tmp_path / "custom_code", tmp_path / "code-ran")
+    argv = small(tmp_path, "--model", str(tmp_path / "custom_code"), steps=1)
+    result = subprocess.run([sys.executable, str(ROOT / argv[0]), *argv[1:]], cwd=tmp_path, input="y\n" * 10,
+                            capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 2 and not (tmp_path / "code-ran").exists(), result.stderr
+    assert AT_START_UP_MESSAGES["custom_code"] in result.stderr
+
+
+AT_START_UP_MESSAGES = {argv[1].rsplit("/", 1)[-1]: message for _, argv, message in AT_START_UP if len(argv) > 1}
+
+
 def docs_table() -> str:
     lines = ["| input | message (its start) |", "|---|---|"]
     for what, argv, message in AT_START_UP:
         lines.append(f"| {what} | `{message} ...` |")
     for what, message in LATER.values():
         lines.append(f"| {what} | `{message} ...` |")
+    lines += ["", "Handled rather than refused:", "", "| input | what happens |", "|---|---|"]
+    lines += [f"| {what} | {happens} |" for what, happens in HANDLED]
     return "\n".join(lines) + "\n"
 
 

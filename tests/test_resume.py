@@ -115,14 +115,19 @@ def test_bad_resume_stops_before_any_work(tmp_path, resume, message):
 
 
 def test_a_new_run_never_appends_to_another_runs_folder(tmp_path):
-    """The same --run-name again without --resume stops at start-up; the first run's metrics stay as they were."""
+    """The same --run-name again without --resume stops at start-up, naming --resume latest where there is a
+    checkpoint to go on from; the first run's metrics stay as they were."""
     args = grpo.Args(num_steps=1, prompts_per_step=4, group_size=4, eval_every=0, output_dir=str(tmp_path),
                      run_name="same")
     grpo.main(args)
     metrics = (tmp_path / "same" / "metrics.jsonl").read_text()
-    with pytest.raises(UsageError, match="--run-name same: .* already holds a run. Continue it with --resume latest"):
-        grpo.main(args)
+    with pytest.raises(UsageError, match="--run-name same: .* already holds a run. Choose another --run-name"):
+        grpo.main(args)  # finished, with final/ and no step checkpoint
     assert (tmp_path / "same" / "metrics.jsonl").read_text() == metrics
+    args = grpo.Args(**{**vars(args), "run_name": "saved", "save_every": 1})
+    grpo.main(args)
+    with pytest.raises(UsageError, match="--run-name saved: .* already holds a run. Continue it with --resume latest"):
+        grpo.main(args)
 
 
 @pytest.mark.parametrize("algo, mode", [("grpo", "ddp"), ("grpo", "fsdp"), ("ppo", "fsdp")])
@@ -151,6 +156,46 @@ def test_two_rank_run_resumed_from_a_checkpoint_matches(tmp_path, algo, mode):
             {"__0_0.distcp", "__1_0.distcp"}
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def on_two_nodes(args: list[str], cwd) -> list[subprocess.CompletedProcess]:
+    """`args` as on two machines: two torchrun launchers of one process each (--nnodes=2 --nproc_per_node=1)
+    that find each other through a c10d rendezvous on localhost, as a multi-node job's do on its first node."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{free_port()}", "--rdzv-id=two-nodes"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([*launcher, str(ROOT / args[0]), *args[1:]], cwd=cwd, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    return [subprocess.CompletedProcess(proc.args, proc.wait(timeout=1800), *proc.communicate()) for proc in procs]
+
+
+def test_a_run_on_two_nodes_trains_saves_and_resumes(tmp_path):
+    """Two launchers (nodes) of one rank each: the run trains and checkpoints each rank's state, and a copy
+    cut back to its step-2 checkpoint, resumed on two nodes, ends where the original ended, bitwise."""
+    import shutil
+
+    args = ["grpo.py", "--num-steps", "4", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "2",
+            "--eval-size", "16", "--save-every", "2", "--output-dir", str(tmp_path)]
+    results = on_two_nodes([*args, "--run-name", "whole"], cwd=tmp_path)
+    assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
+    assert {p.name for p in (tmp_path / "whole" / "step_2").glob("rank_*.pt")} == {"rank_0.pt", "rank_1.pt"}
+    shutil.copytree(tmp_path / "whole", tmp_path / "cut")
+    for name in ["final", "step_4"]:
+        shutil.rmtree(tmp_path / "cut" / name)
+    results = on_two_nodes([*args, "--run-name", "cut", "--resume", "latest"], cwd=tmp_path)
+    assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
+    whole, resumed = load_file(tmp_path / "whole" / "final" / "model.safetensors"), \
+        load_file(tmp_path / "cut" / "final" / "model.safetensors")
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    assert without_timings(read_metrics(tmp_path / "cut")) == without_timings(read_metrics(tmp_path / "whole"))
+
+
 class Payload:
     """Unpickling this runs a shell command that leaves a file behind: the proof that code ran."""
 
@@ -168,7 +213,8 @@ def test_a_planted_pickle_in_a_checkpoint_is_refused_without_running(tmp_path, p
     target = tmp_path / "victim" / "step_2" / planted
     target.parent.mkdir(exist_ok=True)
     target.write_bytes(pickle.dumps(Payload(marker), protocol=2))  # torch.save's protocol
-    refused = r"--resume .*step_2: cannot restore it: it holds pickled data other than tensors and plain data "
+    where = "rank_0.pt: " if planted == "rank_0.pt" else ""  # DCP's metadata: read inside DCP, which names no file
+    refused = rf"--resume .*step_2: cannot restore it: {where}it holds pickled data other than tensors and plain data "
     with pytest.raises(UsageError, match=refused + r"\(posix.system\). Refused without running it"):
         grpo.main(small_run(tmp_path, "victim", num_steps=4, resume="latest"))
     assert not marker.exists()
