@@ -229,7 +229,8 @@ def compute_loss(
     log_ratio = ((logprobs - old_logprobs) * response_mask).sum(-1) / token_count  # (B,) mean token log-ratio
     ratio = torch.exp(log_ratio)  # (B,) s_i, the geometric mean of the token ratios; exactly 1 on the first update
     clipped_ratio = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)
-    pg_losses = torch.max(-advantages * ratio, -advantages * clipped_ratio)  # (B,) one term per completion
+    has_tokens = response_mask.sum(-1) > 0  # (B,) a row without tokens has no action: it adds 0, as in grpo.py
+    pg_losses = torch.max(-advantages * ratio, -advantages * clipped_ratio) * has_tokens  # (B,) one term per completion
     if beta > 0:
         log_ref_ratio = (ref_logprobs - logprobs).clamp(-20, 20)  # log(pi_ref / pi_theta), clamped before exp
         kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # (B, T) k3: unbiased, >= 0, differentiable

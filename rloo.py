@@ -200,6 +200,19 @@ def compute_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return (group_size / (group_size - 1) * (grouped - mean)).view(-1)  # = R_i - (G mean - R_i) / (G - 1)
 
 
+def kl_penalised_rewards(rewards: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: Optional[torch.Tensor],
+                         response_mask: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The RLHF reward R_i - beta * KL_i, with KL_i = sum_t log(pi_old(y_it) / pi_ref(y_it)) (k1, summed over the
+    completion's tokens, under the policy that sampled it), as the paper and TRL's RLOOTrainer put it.
+
+    rewards: (B,); old_logprobs, ref_logprobs, response_mask: (B, T) -> (rewards (B,), KL (B,)).
+    ref_logprobs None (beta = 0): the rewards unchanged and KL 0."""
+    if ref_logprobs is None:
+        return rewards, torch.zeros_like(rewards)
+    kl = ((old_logprobs - ref_logprobs) * response_mask).sum(-1)  # (B,) in nats
+    return rewards - beta * kl, kl
+
+
 def compute_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -317,11 +330,12 @@ def main(args: Args) -> None:
             b_old_logprobs = (torch.zeros_like(b_response_mask) if old_from_update  # (B, T), filled in by pass 1
                               else rollout_logprobs(model, b_rollout, args.temperature, args.micro_batch_size))
             # --- algorithm: the KL to the reference enters the reward; then 4. the leave-one-out advantages ---
-            b_kl = torch.zeros(len(b_ids), device=device)  # (B,) KL of each completion to the reference, in nats
+            b_ref_logprobs = None
             if ref_policy is not None:
                 b_ref_logprobs = rollout_logprobs(ref_policy, b_rollout, args.temperature, args.micro_batch_size)
-                b_kl = ((b_old_logprobs - b_ref_logprobs) * b_response_mask).sum(-1)  # k1: sum_t log(pi_old / pi_ref)
-            b_advantages = compute_advantages(rewards.to(device) - args.beta * b_kl, args.group_size)  # (B,)
+            b_rewards, b_kl = kl_penalised_rewards(rewards.to(device), b_old_logprobs, b_ref_logprobs, b_response_mask,
+                                                   args.beta)  # (B,), (B,)
+            b_advantages = compute_advantages(b_rewards, args.group_size)  # (B,)
             metrics["algo/kl"] = b_kl.mean()
             # ---
 

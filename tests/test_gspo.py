@@ -104,3 +104,16 @@ def test_micro_batches_add_up_to_the_step_loss():
     parts = sum(gspo.compute_loss(lp[i : i + 2], old[i : i + 2], None, adv[i : i + 2], mask[i : i + 2], 6)[0]
                 for i in range(0, 6, 2))
     torch.testing.assert_close(parts, whole)
+
+
+def test_a_row_without_tokens_adds_nothing_to_the_loss_as_in_grpo():
+    # A completion with no response token (mask all 0) has no action to score: GRPO's masked token sum gives
+    # it 0, and so must GSPO, whose sequence ratio exp(0) = 1 would otherwise add -A_i = -1.5 to the loss value.
+    logprobs = torch.tensor([[-1.0, -2.0], [-0.5, -0.5]])
+    mask = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
+    advantages = torch.tensor([0.5, 1.5])
+    for module in (gspo, grpo):
+        both, _ = module.compute_loss(logprobs, logprobs, None, advantages, mask, 1, beta=0.0)
+        first, _ = module.compute_loss(logprobs[:1], logprobs[:1], None, advantages[:1], mask[:1], 1, beta=0.0)
+        torch.testing.assert_close(both, first)
+        torch.testing.assert_close(both, torch.tensor(-0.5))  # -A_0 * ratio 1

@@ -96,3 +96,19 @@ def test_kl_to_the_reference_is_taken_from_the_reward(tmp_path, monkeypatch):
     assert seen[0].mean().item() == pytest.approx(metrics[0]["reward/mean"], abs=1e-6)
     assert metrics[1]["algo/kl"] != 0
     assert seen[1].mean().item() == pytest.approx(metrics[1]["reward/mean"] - beta * metrics[1]["algo/kl"], abs=1e-5)
+
+
+def test_kl_penalised_reward_subtracts_beta_times_the_summed_log_ratio():
+    # RLOO's RLHF reward (Ahmadian et al. 2024, arXiv:2402.14740, section 2: r(x, y) - beta log(pi(y|x) /
+    # pi_ref(y|x))), the sequence's log-ratio summed over its tokens (k1), under the sampling policy pi_old.
+    # Row 0 (2 tokens): (-1 - -1.5) + (-2 - -1) = -0.5; row 1 (3 tokens): 1 + 0 + 0 = 1. The third column of
+    # row 0 is padding after EOS and is left out. beta 0.1: rewards [1, 0] -> [1.05, -0.1].
+    old = torch.tensor([[-1.0, -2.0, -7.0], [-1.0, -1.0, -1.0]])
+    ref = torch.tensor([[-1.5, -1.0, -3.0], [-2.0, -1.0, -1.0]])
+    mask = torch.tensor([[1.0, 1, 0], [1, 1, 1]])
+    rewards, kl = rloo.kl_penalised_rewards(torch.tensor([1.0, 0.0]), old, ref, mask, beta=0.1)
+    torch.testing.assert_close(kl, torch.tensor([-0.5, 1.0]))
+    torch.testing.assert_close(rewards, torch.tensor([1.05, -0.1]))
+    rewards, kl = rloo.kl_penalised_rewards(torch.tensor([1.0, 0.0]), old, None, mask, beta=0.0)  # no reference
+    torch.testing.assert_close(rewards, torch.tensor([1.0, 0.0]))
+    torch.testing.assert_close(kl, torch.zeros(2))
