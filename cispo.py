@@ -280,7 +280,7 @@ def main(args: Args) -> None:
     torch.manual_seed(args.seed + rank)
     # --- algorithm: what the optimizer trains: the policy ---
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
-                                  fused=True)  # one kernel for all the weights: ~7x faster than the default on CPU
+                                  fused=True)  # one kernel for all the weights
     trained = {"policy": policy}  # saved to and restored from checkpoints
     # ---
     start_step, state = 0, {}  # state: what the algorithm carries from step to step (per rank, in checkpoints)
@@ -328,13 +328,13 @@ def main(args: Args) -> None:
 
         # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
         with timed(times, "update"):
-            minibatch_size = max(1, -(-len(b_ids) // args.num_minibatches))  # ceil: DAPO and GVPO resize the batch
+            minibatch_size = max(1, -(-len(b_ids) // args.num_minibatches))  # ceil: a batch of any size splits
             update_metrics = []
             for epoch in range(args.updates_per_rollout):
                 # --- algorithm: the minibatches: a fresh shuffle of the sequences each pass ---
                 b_order = torch.randperm(len(b_ids), device=device)
                 # ---
-                for start in range(0, len(b_ids), minibatch_size):  # none when the batch is empty (DAPO)
+                for start in range(0, len(b_ids), minibatch_size):  # none when the batch is empty
                     mb_idx = b_order[start : start + minibatch_size].sort().values  # sorted: a group's rows together
                     # --- algorithm: the loss is a mean over the optimizer step's response tokens, on every rank ---
                     num_tokens = all_reduce_sum(b_response_mask[mb_idx].sum()).clamp(min=1) / args.world_size

@@ -5,7 +5,6 @@ data.py (datasets and prompts), rewards.py (rewards and evaluation), runs.py (th
 log and checkpoints)."""
 
 import contextlib
-import ctypes
 import dataclasses
 import datetime
 import functools
@@ -25,7 +24,6 @@ import torch.nn.functional as F
 import tyro
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
-from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache, GenerationConfig, LogitsProcessor
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
@@ -141,12 +139,9 @@ def setup_distributed(timeout_minutes: float = 60) -> tuple[int, int, torch.devi
     generating or scoring) fails; the message then names --dist-timeout."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        reuse_freed_memory()
     if world_size > 1:
         timeout = datetime.timedelta(minutes=timeout_minutes)
         if device.type == "cuda":
@@ -155,21 +150,6 @@ def setup_distributed(timeout_minutes: float = 60) -> tuple[int, int, torch.devi
             dist.init_process_group("gloo", timeout=timeout)
         sys.excepthook = functools.partial(_explain_timeout, sys.excepthook, timeout_minutes)
     return rank, world_size, device
-
-
-def reuse_freed_memory() -> None:
-    """Keep the memory that tensors free for the next ones instead of handing it back to the OS, as
-    CUDA's caching allocator does on a GPU. glibc's malloc maps each allocation over 32 MB afresh and
-    unmaps it when it is freed, so that every training step on CPU touches the pages of its large
-    tensors anew (logits, the LM head's and the embedding's gradients: 0.3-0.6 GB each at a 151,936-token
-    vocabulary); at the Qwen3-0.6B-shaped benchmark these page faults took ~45 % of an optimizer step.
-    The process then stays at its peak resident memory. Nothing changes where the C library has no
-    `mallopt` (macOS)."""
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is not None:
-        M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
-        mallopt(M_MMAP_MAX, 0)  # every allocation from the heap, which is reused...
-        mallopt(M_TRIM_THRESHOLD, 2**31 - 1)  # ...and not given back until 2 GB at its top are free
 
 
 def _explain_timeout(excepthook, minutes: float, kind, value, traceback) -> None:
@@ -359,60 +339,19 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 class Sampler(LogitsProcessor):
     """Sampling's only logits processor, run in transformers' greedy loop: it draws each row's token from
-    softmax(logits / T) itself, by inverse CDF (one uniform per row against the float64 cumulative sum),
-    keeps the token's log-probability under that distribution, and returns a score that is 0 at the
-    drawn token and -inf elsewhere, which the greedy step then takes. transformers' own sampling,
-    torch.multinomial, draws an exponential variate for every vocabulary entry: 54 ms a step for 16 rows
-    of a 151,936-token vocabulary on 2 CPU cores, against 5 ms this way."""
+    softmax(logits / T) (torch.multinomial), keeps the token's log-probability under that distribution, and
+    returns scores that are 0 at the drawn token and -inf elsewhere, which the greedy step then takes. So
+    the recorded log-prob is that of the distribution the token was drawn from, whatever else transformers
+    does around the processor."""
 
     def __init__(self, temperature: float):
         self.temperature, self.logprobs = temperature, []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         logprobs = (scores / self.temperature).log_softmax(-1)  # (B, V)
-        cdf = logprobs.exp().double().cumsum(-1)  # (B, V): a token of probability p spans p of [0, 1)
-        u = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
-        tokens = torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[1] - 1)  # (B, 1): first cdf > u
+        tokens = torch.multinomial(logprobs.exp(), 1)  # (B, 1)
         self.logprobs.append(logprobs.gather(-1, tokens).squeeze(-1))
         return torch.full_like(scores, -math.inf).scatter_(-1, tokens, 0.0)
-
-
-class FewRowLinear(TorchFunctionMode):
-    """Inside, F.linear(x, W) of at most 64 rows (a decode step's) runs on a copy of W that oneDNN packs
-    for few rows, made at W's first such product and kept while the context lasts (the weights do not
-    change while sampling): the same products, in another order of the sums. At 16 rows on 2 CPU cores
-    the LM head of a 151,936-token vocabulary takes 33 ms a step this way, 88 ms as (W x^T)^T and 125 ms
-    as x W^T; the layers of a Qwen3-0.6B gain as much. Where oneDNN cannot pack W (a build without it, a
-    dtype it does not take), it runs as (W x^T)^T. With more rows x W^T is as fast: F.linear runs as
-    it is. `generate` uses it on CPU."""
-
-    def __init__(self):
-        super().__init__()
-        self.packed = {}  # id(W) -> (W, its packed copy or None); W is held, so that its id stays its own
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        rows = args[0].numel() // args[0].shape[-1] if func is F.linear else 0
-        if not 0 < rows <= 64:  # not a linear, or enough rows for x W^T (the prompt's forward)
-            return func(*args, **(kwargs or {}))
-        x, weight, *rest = args
-        bias = rest[0] if rest else (kwargs or {}).get("bias")
-        if id(weight) not in self.packed:
-            self.packed[id(weight)] = (weight, _pack_for_few_rows(weight, rows))
-        packed = self.packed[id(weight)][1]
-        if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-        y = torch.mm(weight, x.reshape(rows, x.shape[-1]).T).T.contiguous().view(*x.shape[:-1], weight.shape[0])
-        return y if bias is None else y + bias
-
-
-def _pack_for_few_rows(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
-    """W (out, in) reordered by oneDNN for products with `rows` rows, or None where it cannot be."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
-    except RuntimeError:
-        return None
 
 
 @torch.no_grad()
@@ -439,10 +378,9 @@ def generate(model, tokenizer, prompts: list[str], group_size: int, max_new_toke
     synced = dist.is_initialized() and isinstance(unwrap(model), FSDPModule)
     checkpoint_config, model.generation_config = model.generation_config, config
     try:
-        with FewRowLinear() if model.device.type == "cpu" else contextlib.nullcontext():
-            cache = shared_prompt_cache(model, enc.input_ids, enc.attention_mask, group_size)
-            out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
-                                 logits_processor=None if greedy else [sampler], synced_gpus=synced, cache=cache)
+        cache = shared_prompt_cache(model, enc.input_ids, enc.attention_mask, group_size)
+        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
+                             logits_processor=None if greedy else [sampler], synced_gpus=synced, cache=cache)
     finally:
         model.generation_config = checkpoint_config
     P = prompt_ids.shape[1]

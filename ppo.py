@@ -451,7 +451,7 @@ def main(args: Args) -> None:
     optimizer = torch.optim.AdamW([
         {"params": policy.parameters()},
         {"params": critic.parameters(), "lr": args.critic_learning_rate or args.learning_rate},
-    ], lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)  # one kernel: ~7x faster on CPU
+    ], lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)  # one kernel for all the weights
     trained = {"policy": policy, "critic": critic}  # saved to and restored from checkpoints
     # ---
     start_step, state = 0, {}  # state: what the algorithm carries from step to step (per rank, in checkpoints)
@@ -536,13 +536,13 @@ def main(args: Args) -> None:
 
         # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
         with timed(times, "update"):
-            minibatch_size = max(1, -(-len(b_ids) // args.num_minibatches))  # ceil: DAPO and GVPO resize the batch
+            minibatch_size = max(1, -(-len(b_ids) // args.num_minibatches))  # ceil: a batch of any size splits
             update_metrics = []
             for epoch in range(args.updates_per_rollout):
                 # --- algorithm: the minibatches: a fresh shuffle of the sequences each pass ---
                 b_order = torch.randperm(len(b_ids), device=device)
                 # ---
-                for start in range(0, len(b_ids), minibatch_size):  # none when the batch is empty (DAPO)
+                for start in range(0, len(b_ids), minibatch_size):  # none when the batch is empty
                     mb_idx = b_order[start : start + minibatch_size].sort().values  # sorted: a group's rows together
                     # --- algorithm: the loss is a sum over the optimizer step's response tokens, over every rank ---
                     num_tokens = all_reduce_sum(b_response_mask[mb_idx].sum()) / args.world_size

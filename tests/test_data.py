@@ -37,7 +37,8 @@ def test_jsonl_with_named_fields_and_gsm8k_answers(tmp_path):
     ({"question": "1+1", "answer": "2"}, r"d\.jsonl:3: missing field prompt.*--prompt-field"),
 ])
 def test_jsonl_bad_rows_stop_naming_file_and_line(tmp_path, bad, message):
-    """On main before the fix a null answer became the string 'None' and was trained on."""
+    """A bad row stops naming its file and line: a null answer must not become the string 'None' and be
+    trained on."""
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1", "answer": "2"}] * 2 + [bad])
     with pytest.raises(UsageError, match=message):
         load_data(path, None, 1)
@@ -148,8 +149,8 @@ def gpt2_with_positions(folder: Path, positions: int) -> str:
 
 
 def test_a_prompt_that_does_not_fit_the_model_is_dropped_with_a_count(tmp_path):
-    """On main before the fix the long prompt was sampled at step 0 and the run crashed there (IndexError in
-    GPT-2's position embeddings); a RoPE model would have trained on it silently."""
+    """A prompt too long for the model's positions is dropped at start-up with a count: sampled, it would
+    crash the step (IndexError in GPT-2's position embeddings) or, in a RoPE model, be trained on silently."""
     model = gpt2_with_positions(tmp_path / "gpt2", positions=64)
     rows = [{"prompt": f"{a}+{b}", "answer": str(a + b)} for a in range(10, 13) for b in range(10, 14)]
     rows[0]["prompt"] = "1" * 40 + "+1"  # 42 characters: with the chat template and 8 new tokens, over 64
@@ -162,8 +163,8 @@ def test_a_prompt_that_does_not_fit_the_model_is_dropped_with_a_count(tmp_path):
 
 
 def test_a_prompt_the_tokenizer_cannot_encode_stops_naming_row_and_character(tmp_path):
-    """The default model's word-level tokenizer knows 49 characters; on main before the fix a prompt with
-    another one failed inside generate, mid-run, with no row named."""
+    """The default model's word-level tokenizer knows 49 characters: a prompt with another one stops at
+    start-up naming the row and character, not inside generate mid-run."""
     rows = [{"prompt": f"{a}+1", "answer": str(a + 1)} for a in range(20)]
     rows[5]["prompt"] = "What is 8*8? Put the final answer in \\boxed{}."
     main_fails(tmp_path, r"training data, row 5: the tokenizer of --model cannot encode 'W' in the prompt 'What is 8",

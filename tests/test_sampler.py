@@ -105,8 +105,9 @@ def default_model_with(parent, file: str, changes: dict):
 
 @pytest.mark.parametrize("temperature", [1.0, 1.3])
 def test_a_checkpoint_generation_config_does_not_change_the_sampled_distribution(hostile_model, temperature):
-    """On main before the fix, transformers merged repetition_penalty, min_p, no_repeat_ngram_size and
-    min_new_tokens into sampling: max gap 8.08 nats at T = 1 (mean 1.19). Neutral config: ~3e-6."""
+    """transformers would merge a checkpoint's repetition_penalty, min_p, no_repeat_ngram_size and
+    min_new_tokens into sampling (a max gap of ~8 nats at T = 1); the sampled distribution must stay
+    softmax(logits / T), with a gap of ~3e-6 as for a neutral config."""
     tokenizer = load_tokenizer(str(hostile_model))
     model = load_model(str(hostile_model), "float32", CPU, tokenizer)
     rollout = check_sampler_matches_trainer(model, tokenizer, temperature)
@@ -150,8 +151,8 @@ def random_model(folder, architecture: str, tokenizer):
 @pytest.mark.parametrize("architecture", ["Gemma2", "Cohere", "Granite"])
 def test_transformed_logits_are_scored_as_sampled(tmp_path, architecture):
     """Gemma2 soft-caps its logits (cap * tanh(z / cap)) before the sampler divides by T, Cohere multiplies
-    them by logit_scale, Granite divides them by logits_scaling. On main before the fix, at T = 0.7:
-    max gap Gemma2 2.33 nats (the cap applied after the temperature), Cohere and Granite: see the note."""
+    them by logit_scale, Granite divides them by logits_scaling: the trainer's log-probs must apply each
+    transform before the temperature, as the sampler does (the cap applied after it: a gap of ~2.3 nats)."""
     tokenizer = load_tokenizer(DEFAULT_MODEL)
     folder = random_model(tmp_path / architecture, architecture, tokenizer)
     model = load_model(folder, "float32", CPU, load_tokenizer(folder))
@@ -200,8 +201,8 @@ def falcon_with_attention_dropout(folder) -> str:
 @pytest.mark.parametrize("architecture", ["Qwen3", "Falcon"])
 def test_attention_dropout_is_off_in_train_mode(tmp_path, attention_dropout_model, architecture):
     """--gradient-checkpointing puts the policy in train mode, where dropout rates from the config are applied
-    functionally (no nn.Dropout module to switch off). On main before the fix two passes over the same
-    batch differed by up to 7.0 nats (Qwen3, attention_dropout 0.1)."""
+    functionally (no nn.Dropout module to switch off): it must be zeroed there too, or two passes over the
+    same batch differ (by up to ~7 nats at Qwen3's attention_dropout 0.1)."""
     folder = str(attention_dropout_model) if architecture == "Qwen3" else falcon_with_attention_dropout(tmp_path)
     tokenizer = load_tokenizer(folder)
     model = load_model(folder, "float32", CPU, tokenizer)
