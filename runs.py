@@ -1,6 +1,6 @@
 """A run's folder: where a run writes (and no other run may), its metrics log, and its checkpoints:
-written atomically, each rank its own shards, and read back unpickling nothing beyond tensors and plain
-data."""
+written atomically, each rank its own shards, in safetensors and JSON only (nothing in a checkpoint is
+unpickled)."""
 
 import contextlib
 import datetime
@@ -10,7 +10,6 @@ import functools
 import json
 import math
 import os
-import pickle
 import random
 import re
 import shlex
@@ -24,8 +23,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.metadata import StorageMeta
+from safetensors import safe_open
+from safetensors.torch import save as safetensors_bytes
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -34,12 +34,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from common import Rollout, UsageError, print0, unwrap
 from models import transformers_quiet
 
 CHECKPOINT_INFO = "checkpoint.json"  # in every checkpoint folder: the file, step, ranks and flags that wrote it
-TRAINING_STATE = "training_state"  # the resumable state: a torch.distributed.checkpoint folder of shards
+TRAINING_STATE = "training_state"  # the resumable state: torch.distributed.checkpoint's safetensors shards
 ROOT = Path(__file__).resolve().parent  # the repository: a --model inside it is recorded relative to it
 RUN_LOCK = ".run.lock"  # in every run folder; held (fcntl) by the process that writes into the folder
 _HELD_LOCKS: dict[str, int] = {}  # run folder -> open lock file: kept open for the life of the process
@@ -485,10 +486,48 @@ def _set_aside_after(run_dir: Path, step: int) -> Path | None:
 
 
 def _training_state(modules: dict[str, torch.nn.Module], optimizer) -> dict:
-    """The resumable state as DCP reads and writes it: model and optimizer state dicts whose tensors are
-    this rank's own (FSDP: its shards, as DTensors; DDP and one process: the full tensors)."""
+    """The resumable state as DCP reads and writes it, tensors only (safetensors holds nothing else): the
+    weights of every module, each this rank's own (FSDP: its shards, as DTensors; DDP and one process: the
+    full tensors), a weight tied to another (an LM head tied to the embeddings) once; and the optimizer's
+    per-parameter state (its hyper-parameters are the flags')."""
     model = torch.nn.ModuleDict(modules)  # names the tensors "policy.<...>", "critic.<...>"
-    return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    weights, seen = {}, set()
+    for name, tensor in get_model_state_dict(model).items():
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        where = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape))
+        if local.numel() and where in seen:  # tied: restored through the tensor it shares
+            continue
+        seen.add(where)
+        weights[name] = tensor
+    return {"model": weights, "optimizer": get_optimizer_state_dict(model, optimizer)["state"]}
+
+
+def _flatten(value, tensors: dict, key: str):
+    """`value` (an algorithm's state: numbers, text, tensors, Rollouts, in lists and dicts) as JSON, each tensor
+    replaced by {"tensor": its key in `tensors`}; `_unflatten` reverses it."""
+    if isinstance(value, torch.Tensor):
+        tensors[key] = value.detach().cpu().clone()
+        return {"tensor": key}
+    if isinstance(value, Rollout):
+        return {"rollout": _flatten(dict(vars(value)), tensors, key)}
+    if isinstance(value, dict):
+        return {"dict": {k: _flatten(v, tensors, f"{key}.{k}") for k, v in value.items()}}
+    if isinstance(value, (list, tuple)):
+        return [_flatten(v, tensors, f"{key}.{i}") for i, v in enumerate(value)]
+    return value
+
+
+def _unflatten(value, tensors: dict):
+    if isinstance(value, list):
+        return [_unflatten(v, tensors) for v in value]
+    if not isinstance(value, dict):
+        return value
+    (kind, inner), = value.items()
+    if kind == "tensor":
+        return tensors[inner]
+    if kind == "rollout":
+        return Rollout(**_unflatten(inner, tensors))
+    return {k: _unflatten(v, tensors) for k, v in inner.items()}
 
 
 def save_checkpoint(path: Path, modules: dict[str, torch.nn.Module], tokenizer, rank: int, run_info: dict,
@@ -499,9 +538,10 @@ def save_checkpoint(path: Path, modules: dict[str, torch.nn.Module], tokenizer, 
       with `from_pretrained`; under FSDP the weights are gathered to rank 0's CPU memory for this;
     - checkpoint.json: the algorithm file, the step, the number of ranks and every flag (run_info);
     - with an optimizer, the resumable state (`load_checkpoint`): the weights of every module and the
-      optimizer state in training_state/, written with torch.distributed.checkpoint (each rank writes only
-      its own shards: no rank ever holds the full optimizer state), and rank_<r>.pt with each rank's
-      RNG states (torch, CUDA, Python) and its algorithm state `extra`.
+      optimizer state in training_state/, written with torch.distributed.checkpoint as safetensors (each
+      rank writes only its own shards: no rank ever holds the full optimizer state), and
+      rank_<r>.safetensors with each rank's RNG states (torch, CUDA, Python) and its algorithm state
+      `extra` (tensors, and the rest as JSON in its header).
 
     Everything is written into `<path>.tmp`, fsync'd, and renamed to `path` only when every rank has
     written its part, so a crash never leaves a partial folder under `path`. A failed write (disk full,
@@ -534,11 +574,13 @@ def _write_checkpoint(path: Path, tmp: Path, modules: dict[str, torch.nn.Module]
         if optimizer is not None:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.save(_training_state(modules, optimizer), storage_writer=dcp.FileSystemWriter(tmp / TRAINING_STATE),
-                         no_dist=not distributed)
+                writer = HuggingFaceStorageWriter(str(tmp / TRAINING_STATE), save_distributed=distributed)
+                dcp.save(_training_state(modules, optimizer), storage_writer=writer, no_dist=not distributed)
             cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-            rng = {"rng": torch.get_rng_state(), "cuda_rng": cuda_rng, "python_rng": random.getstate()}
-            torch.save({**rng, "extra": extra or {}}, tmp / f"rank_{rank}.pt")
+            own, tensors = {"rng": torch.get_rng_state(), "cuda_rng": cuda_rng, "python_rng": random.getstate(),
+                            "extra": extra or {}}, {}
+            plain = json.dumps(_flatten(own, tensors, "own"))  # the tensors go into `tensors`, the rest stays
+            (tmp / f"rank_{rank}.safetensors").write_bytes(safetensors_bytes(tensors, {"state": plain}))
     except (Exception, dcp.CheckpointException) as exc:  # reported with its path below, on every rank
         error = exc
     weights = None
@@ -646,60 +688,26 @@ def _move_aside(path: Path) -> None:
     print0(f"moved the earlier {path} aside to {aside}")
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Reads DCP's `.metadata` (a pickle) allowing only the plain classes it is made of: a planted
-    payload that names any other callable (os.system, eval, ...) is refused before it can run."""
-
-    ALLOWED = {
-        ("torch.distributed.checkpoint.metadata", name) for name in
-        ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-         "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")
-    } | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-         ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-         ("collections", "OrderedDict")}
-
-    def find_class(self, module: str, name: str):
-        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if (module, name) in self.ALLOWED or dtype:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata")
-
-
-class _SafeReader(dcp.FileSystemReader):
-    def read_metadata(self, *args, **kwargs):
-        with open(self._get_metadata_path(kwargs.get("rank")), "rb") as file:
-            metadata = _MetadataUnpickler(file).load()
-        _check_shards(Path(self.path), metadata)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-def _check_shards(folder: Path, metadata) -> None:
-    """Every shard file the metadata names lies in `folder` itself (a plain file, not a link) and holds the bytes
-    the metadata says it does; else a ValueError naming the file. Reading from anywhere else, or past the end
-    of a truncated file, would fail later with no file named, or read what is not this checkpoint's."""
-    for item in (metadata.storage_data or {}).values():
-        name = str(item.relative_path)
-        if Path(name).name != name or name in ("", ".", ".."):
-            raise ValueError(f"its metadata names a shard outside the checkpoint folder ({name!r}). Refused: do not "
-                             "resume from a folder you do not trust.")
-        file, end = folder / name, item.offset + item.length
+def _check_training_state(folder: Path) -> None:
+    """Every file of the resumable state is a plain file of `folder` (a link would be read wherever it points),
+    and every safetensors file has a header that reads; else a ValueError naming the file."""
+    if (folder / ".metadata").exists():
+        raise ValueError("it was written in torch.distributed.checkpoint's pickled format, which these files no "
+                         "longer read. Start a new run from its weights with --model <that checkpoint>.")
+    for file in sorted(folder.iterdir()):
         if file.is_symlink() or not file.is_file():
-            raise ValueError(f"{folder.name}/{name}: missing, or not a plain file")
-        if file.stat().st_size < end:
-            raise ValueError(f"{folder.name}/{name}: {file.stat().st_size} bytes, shorter than the {end} its metadata "
-                             "records (an interrupted write or copy?)")
+            raise ValueError(f"{folder.name}/{file.name}: a link, or not a plain file")
+        if file.suffix == ".safetensors":
+            _read_header(file, folder.name)
 
 
-class _SafeLoadPlanner(dcp.DefaultLoadPlanner):
-    def load_bytes(self, read_item, value) -> None:  # non-tensor values (optimizer hyper-parameters): plain data only
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
+def _read_header(file: Path, where: str) -> dict:
+    """The metadata in a safetensors file's header, or a ValueError naming the file and what is wrong."""
+    try:
+        with safe_open(file, "pt") as opened:
+            return opened.metadata() or {}
+    except Exception as error:  # safetensors' own error type: a 0-byte, truncated or other file
+        raise ValueError(f"{where}/{file.name}: not a complete safetensors file ({error})") from None
 
 
 def load_checkpoint(path: Path, modules: dict[str, torch.nn.Module], optimizer, rank: int) -> tuple[int, dict]:
@@ -707,38 +715,55 @@ def load_checkpoint(path: Path, modules: dict[str, torch.nn.Module], optimizer, 
     rank reads only its own shards), and this rank's RNG state. Returns (the step to continue from,
     this rank's algorithm state).
 
-    Nothing in the folder is unpickled beyond tensors and plain data: DCP's metadata through an
-    allow-list, everything else with `torch.load(weights_only=True)`.
+    Nothing in the folder is unpickled: the shards and each rank's state are safetensors files (tensors,
+    and JSON in their headers).
 
     The number of ranks must be the one that saved (`prepare_run_dir` checks it). DCP itself could
     reshard the weights and optimizer state to another count, but each rank's sampling stream and
     algorithm state (GVPO's replayed groups are its own completions) have no counterpart on another
     count, and a resumed run is meant to be the run that stopped, bitwise. To go on with other hardware,
     start a new run from the step's weights (`--model <run>/step_N`)."""
-    state = _training_state(modules, optimizer)
+    model, state = torch.nn.ModuleDict(modules), _training_state(modules, optimizer)
     try:
+        _check_training_state(path / TRAINING_STATE)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            reader = _SafeReader(path / TRAINING_STATE)
-            reader.read_metadata()  # its checks fail here with their own message; inside dcp.load, wrapped in others
-            dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner(), no_dist=not dist.is_initialized())
-        model = torch.nn.ModuleDict(modules)
-        set_model_state_dict(model, state["model"])
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])
-    except (Exception, dcp.CheckpointException) as error:  # a refused pickle, a shape that does not fit, ...
+            dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path / TRAINING_STATE)),
+                     no_dist=not dist.is_initialized())
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))  # strict: tied weights
+        groups = get_optimizer_state_dict(model, optimizer)["param_groups"]  # the flags' learning rate, ...
+        set_optimizer_state_dict(model, optimizer, {"state": state["optimizer"], "param_groups": groups})
+    except (Exception, dcp.CheckpointException) as error:  # a damaged file, a shape that does not fit, ...
         raise UsageError(f"--resume {path}: cannot restore it: {_load_error(error)}") from None
+    file = path / f"rank_{rank}.safetensors"
     try:
-        with torch.serialization.safe_globals([Rollout]):  # GVPO's replayed groups
-            own = torch.load(path / f"rank_{rank}.pt", weights_only=True)
+        plain = json.loads(_read_header(file, path.name).get("state", "null"))
+        with safe_open(file, "pt") as opened:
+            own = _unflatten(plain, {key: opened.get_tensor(key) for key in opened.keys()})
         if not isinstance(own, dict) or not {"rng", "cuda_rng", "python_rng", "extra"} <= own.keys():
-            raise ValueError("not the RNG and algorithm state this project writes")
+            raise ValueError(f"{file.name}: not the RNG and algorithm state this project writes")
     except Exception as error:
-        raise UsageError(f"--resume {path}: cannot restore it: rank_{rank}.pt: {_load_error(error)}") from None
+        raise UsageError(f"--resume {path}: cannot restore it: {_load_error(error)}") from None
     torch.set_rng_state(own["rng"])
-    random.setstate(own["python_rng"])  # unused by these files, kept for code you add
+    version, internal, gauss = own["python_rng"]
+    random.setstate((version, tuple(internal), gauss))  # unused by these files, kept for code you add
     if own["cuda_rng"] is not None:
         torch.cuda.set_rng_state(own["cuda_rng"])
-    return _checkpoint_info(path)["step"], own["extra"]
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return _checkpoint_info(path)["step"], _to_device(own["extra"], device)
+
+
+def _to_device(value, device: torch.device):
+    """An algorithm's state with its tensors (stored on CPU) back on the training device."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, Rollout):
+        return Rollout(**_to_device(dict(vars(value)), device))
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_device(v, device) for v in value]
+    return value
 
 
 def _first_failure(error: BaseException) -> BaseException:
@@ -749,16 +774,9 @@ def _first_failure(error: BaseException) -> BaseException:
 
 
 def _load_error(error: BaseException) -> str:
-    """One line for a failed restore. A refused pickle is named as such, in our words: torch's own text
-    suggests `weights_only=False`, which would run it."""
+    """One line for a failed restore."""
     error = _first_failure(error)
-    text = " ".join(str(error).split())
-    if isinstance(error, pickle.UnpicklingError) or "is not allowed in a checkpoint" in text:
-        found = re.search(r"GLOBAL ([\w.]+)|([\w.]+) is not allowed|WeightsUnpickler error: ([^.]*)", text)
-        what = next((g for g in found.groups() if g), "") if found else ""
-        return (f"it holds pickled data other than tensors and plain data ({what}). Refused without running "
-                "it: do not resume from a folder you do not trust.")
-    text = text or type(error).__name__
+    text = " ".join(str(error).split()) or type(error).__name__
     return text if len(text) < 400 else text[:400] + " ..."
 
 

@@ -105,9 +105,10 @@ LATER = {
                 "metrics.jsonl:2: not a line this project writes"),
     "info": ("a damaged `checkpoint.json` (a field missing, the config a list, the step '3' or 2.5)",
              "checkpoint.json is damaged"),
-    "outside": ("checkpoint metadata naming a shard outside the checkpoint folder",
-                "its metadata names a shard outside"),
-    "shard": ("a 0-byte or raw-pickle shard", "cannot restore it: training_state/__0_0.distcp: "),
+    "outside": ("a shard of the resumable state that is a link (to a file outside the checkpoint)",
+                "cannot restore it: training_state/model-00001-of-00001.safetensors: a link"),
+    "shard": ("a 0-byte or raw-pickle shard",
+              "cannot restore it: training_state/model-00001-of-00001.safetensors: not a complete safetensors file"),
     "full": ("a full disk while `--resume <run>/step_2` sets steps 4 and 6 aside",
              "cannot set aside what the run wrote after step 2 (No space left on device"),
     "exit": ("a `--reward-fn` that calls `sys.exit(0)`",
@@ -418,33 +419,23 @@ def test_a_folder_holding_someone_elses_files_is_not_taken(tmp_path):
     assert [p.name for p in app.iterdir()] == ["config.json"] and (app / "config.json").read_text() == '{"port": 8080}'
 
 
-def edit_metadata(checkpoint: Path, edit) -> None:
-    """Rewrite DCP's .metadata of a checkpoint (a pickle of plain classes; this test trusts its own)."""
-    metadata_file = checkpoint / runs.TRAINING_STATE / ".metadata"
-    metadata = pickle.loads(metadata_file.read_bytes())
-    edit(metadata)
-    metadata_file.write_bytes(pickle.dumps(metadata))
+SHARD = f"{runs.TRAINING_STATE}/model-00001-of-00001.safetensors"  # one process: one file of the state
 
 
-def test_a_shard_path_outside_the_checkpoint_is_refused(tmp_path, finished_run):
+def test_a_shard_that_is_a_link_is_refused(tmp_path, finished_run):
     run_dir = copy_run(finished_run, tmp_path)
-    shard = run_dir / "step_6" / runs.TRAINING_STATE / "__0_0.distcp"
-    shutil.copy(shard, tmp_path / "elsewhere.distcp")
-
-    def point_outside(metadata):
-        for info in metadata.storage_data.values():
-            info.relative_path = "../../../../elsewhere.distcp"
-
-    edit_metadata(run_dir / "step_6", point_outside)
-    shard.unlink()  # what is read can only come from outside
-    with pytest.raises(UsageError, match=f"step_6: cannot restore it: {LATER['outside'][1]}"):
+    shard = run_dir / "step_6" / SHARD
+    shutil.copy(shard, tmp_path / "elsewhere.safetensors")
+    shard.unlink()
+    shard.symlink_to(tmp_path / "elsewhere.safetensors")  # what is read could only come from outside
+    with pytest.raises(UsageError, match=re.escape(f"step_6: {LATER['outside'][1]}")):
         resume(tmp_path)
 
 
 @pytest.mark.parametrize("damage", ["empty", "raw pickle"])
 def test_a_damaged_shard_is_named_with_its_cause(tmp_path, finished_run, damage):
     run_dir = copy_run(finished_run, tmp_path)
-    shard = run_dir / "step_6" / runs.TRAINING_STATE / "__0_0.distcp"
+    shard = run_dir / "step_6" / SHARD
     shard.write_bytes(b"" if damage == "empty" else pickle.dumps({"weights": [1.0, 2.0]}))
     with pytest.raises(UsageError) as stop:
         resume(tmp_path)
