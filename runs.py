@@ -502,6 +502,18 @@ def _training_state(modules: dict[str, torch.nn.Module], optimizer) -> dict:
     return {"model": weights, "optimizer": get_optimizer_state_dict(model, optimizer)["state"]}
 
 
+def _file_of_each_weight(state: dict) -> dict[str, int]:
+    """DCP's key of each tensor -> its file: a weight and its optimizer state in a file of their own, since
+    safetensors builds a whole file in memory before writing it (twice its size, for the moment): so a
+    save needs twice the largest weight's state, not twice the rank's."""
+    files = {name: i for i, name in enumerate(state["model"], 1)}
+    keys = {f"model.{name}": i for name, i in files.items()}
+    for name, values in state["optimizer"].items():
+        for key in values:
+            keys[f"optimizer.{name}.{key}"] = files.setdefault(name, len(files) + 1)
+    return keys
+
+
 def _flatten(value, tensors: dict, key: str):
     """`value` (an algorithm's state: numbers, text, tensors, Rollouts, in lists and dicts) as JSON, each tensor
     replaced by {"tensor": its key in `tensors`}; `_unflatten` reverses it."""
@@ -574,8 +586,10 @@ def _write_checkpoint(path: Path, tmp: Path, modules: dict[str, torch.nn.Module]
         if optimizer is not None:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                writer = HuggingFaceStorageWriter(str(tmp / TRAINING_STATE), save_distributed=distributed)
-                dcp.save(_training_state(modules, optimizer), storage_writer=writer, no_dist=not distributed)
+                state = _training_state(modules, optimizer)
+                writer = HuggingFaceStorageWriter(str(tmp / TRAINING_STATE), _file_of_each_weight(state),
+                                                  save_distributed=distributed)
+                dcp.save(state, storage_writer=writer, no_dist=not distributed)
             cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
             own, tensors = {"rng": torch.get_rng_state(), "cuda_rng": cuda_rng, "python_rng": random.getstate(),
                             "extra": extra or {}}, {}
