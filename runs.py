@@ -750,10 +750,13 @@ def load_checkpoint(path: Path, modules: dict[str, torch.nn.Module], optimizer, 
     except (Exception, dcp.CheckpointException) as error:  # a damaged file, a shape that does not fit, ...
         raise UsageError(f"--resume {path}: cannot restore it: {_load_error(error)}") from None
     file = path / f"rank_{rank}.safetensors"
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     try:
         plain = json.loads(_read_header(file, path.name).get("state", "null"))
-        with safe_open(file, "pt") as opened:
-            own = _unflatten(plain, {key: opened.get_tensor(key) for key in opened.keys()})
+        with safe_open(file, "pt") as opened:  # the algorithm's tensors back on the device, the RNG states on CPU
+            tensors = {key: opened.get_tensor(key).to(device if key.startswith("own.extra.") else "cpu")
+                       for key in opened.keys()}
+        own = _unflatten(plain, tensors)
         if not isinstance(own, dict) or not {"rng", "cuda_rng", "python_rng", "extra"} <= own.keys():
             raise ValueError(f"{file.name}: not the RNG and algorithm state this project writes")
     except Exception as error:
@@ -763,21 +766,7 @@ def load_checkpoint(path: Path, modules: dict[str, torch.nn.Module], optimizer, 
     random.setstate((version, tuple(internal), gauss))  # unused by these files, kept for code you add
     if own["cuda_rng"] is not None:
         torch.cuda.set_rng_state(own["cuda_rng"])
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return _checkpoint_info(path)["step"], _to_device(own["extra"], device)
-
-
-def _to_device(value, device: torch.device):
-    """An algorithm's state with its tensors (stored on CPU) back on the training device."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, Rollout):
-        return Rollout(**_to_device(dict(vars(value)), device))
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_to_device(v, device) for v in value]
-    return value
+    return _checkpoint_info(path)["step"], own["extra"]
 
 
 def _first_failure(error: BaseException) -> BaseException:
