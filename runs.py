@@ -188,7 +188,7 @@ def _find_run_dir(run_info: dict) -> tuple[Path, Path | None]:
         if run_name is None:
             raise UsageError("--resume latest continues the run named by --run-name: pass it.")
         run_dir = Path(config["output_dir"]) / run_name
-        checkpoint = _newest_checkpoint(run_dir)
+        checkpoint = latest_checkpoint(run_dir, strict=True)
         if checkpoint is None:
             again = ("Run it again without --resume: it starts over in that folder (what it logged is kept aside)."
                      if _is_run_dir(run_dir) and not _has_checkpoints(run_dir) else
@@ -392,15 +392,11 @@ def _checkpoint_info(path: Path) -> dict:
         return {}
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The resumable checkpoint of the highest step in run_dir (never a half-written `step_N.tmp`)."""
-    found = [p for p in _step_folders(run_dir) if _checkpoint_info(p).get("resumable")]
-    return found[-1] if found else None
-
-
-def _newest_checkpoint(run_dir: Path) -> Path | None:
-    """The step checkpoint of the highest step in run_dir, or a stop when its checkpoint.json is damaged."""
-    found = [p for p in _step_folders(run_dir) if _read_checkpoint_info(p).get("resumable")]
+def latest_checkpoint(run_dir: Path, strict: bool = False) -> Path | None:
+    """The resumable checkpoint of the highest step in run_dir (never a half-written `step_N.tmp`). A damaged
+    checkpoint.json is passed over, or with `strict` (what --resume latest reads) stops the run naming it."""
+    read = _read_checkpoint_info if strict else _checkpoint_info
+    found = [p for p in _step_folders(run_dir) if read(p).get("resumable")]
     return found[-1] if found else None
 
 
