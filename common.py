@@ -1,32 +1,80 @@
-"""Shared plumbing of the algorithm files: start-up checks, distributed set-up, metrics, generation and
-log-probs. Nothing here appears in an algorithm's equations: advantages, ratios, clipping, KL and loss
-aggregation live in each algorithm file. The rest of the plumbing: models.py (loading and sharding),
-data.py (datasets and prompts), rewards.py (rewards and evaluation), runs.py (the run folder: metrics
-log and checkpoints)."""
+"""The plumbing every algorithm file shares, in one file to copy beside it. Nothing here appears in an
+algorithm's equations: advantages, ratios, clipping, KL and loss aggregation live in each algorithm file.
+
+1. Flags: `cli`, `check_flags`, `require`, `UsageError` (bad input: one line naming the flag and the fix)
+2. Distributed: `setup_distributed`, `cleanup_distributed`, `print0`, `all_reduce`, `no_sync`
+3. Models: `load_tokenizer`, `load_model` (any Hugging Face causal LM, dropout off), `shard_model` (FSDP2)
+4. Data: `load_data` (built-in a+b task, JSONL, `datasets`), `fit_prompts`, `format_prompt`, `prompt_batch`
+5. Rewards and evaluation: `score` (correctness by math-verify, format, a user's function), `evaluate`
+6. Generation and log-probs: `Rollout`, `generate`, `get_logprobs`, `sampler_logprob_gap`
+7. Metrics and logging: `Logger` (stdout, metrics.jsonl, TensorBoard, W&B), `rollout_metrics`, `perf_metrics`
+8. Run folder: `prepare_run_dir`, `claim_run_dir`, `resume_hint` (the rules: docs/checkpoints.md)
+9. Checkpoints: `save_checkpoint`, `load_checkpoint` (torch.distributed.checkpoint, safetensors only)
+"""
 
 import contextlib
 import dataclasses
 import datetime
+import errno
+import fcntl
 import functools
+import importlib
+import importlib.util
+import json
 import math
 import os
+import pickle
+import random
 import re
 import resource
+import select
+import shlex
+import shutil
+import stat
+import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+import transformers
 import tyro
-from torch.distributed.fsdp import FSDPModule
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save as safetensors_bytes
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
-from transformers import DynamicCache, GenerationConfig, LogitsProcessor
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DynamicCache,
+    GenerationConfig,
+    LogitsProcessor,
+)
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+ROOT = Path(__file__).resolve().parent  # the repository: a --model inside it is recorded relative to it
+DEFAULT_MODEL = str(ROOT / "tiny_model")  # made by make_tiny_model.py
+
+# ---------------------------------------------------------------------------------------------
+# 1. Flags
+# ---------------------------------------------------------------------------------------------
 
 
 class UsageError(ValueError):
@@ -62,7 +110,8 @@ INFINITE_ALLOWED = {"max_grad_norm"}  # float flags where inf means something (n
 
 def cli(args_class, args: list[str] | None = None):
     """tyro.cli for an Args made of flag groups (its dataclass bases): `--help` shows each group under its
-    name ("Model & data options"), and the flags and Args stay flat (--seed, args.seed)."""
+    name ("Model & data options"), and the flags and Args stay flat (--seed, args.seed). tyro groups only
+    nested dataclasses, so a nested one is built from the bases here and flattened after parsing."""
     groups = [c for c in reversed(args_class.__mro__[1:]) if dataclasses.is_dataclass(c)]  # ExperimentFlags first
     titles = [re.sub(r"(?<=[a-z])(?=[A-Z])", " ", group.__name__.removesuffix("Flags")).capitalize()
               .replace(" and ", " & ") for group in groups]  # ModelAndDataFlags -> "Model & data"
@@ -129,14 +178,13 @@ def exact_div(numerator: int, denominator: int, message: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Distributed
+# 2. Distributed
 # ---------------------------------------------------------------------------------------------
 
 
 def setup_distributed(timeout_minutes: float = 60) -> tuple[int, int, torch.device]:
-    """(rank, world_size, device) from torchrun's environment; a plain `python x.py` is rank 0 of 1.
-    A collective that waits longer than `timeout_minutes` for another rank (one that died, or one still
-    generating or scoring) fails; the message then names --dist-timeout."""
+    """(rank, world_size, device) from torchrun's environment; a plain `python x.py` is rank 0 of 1. A
+    collective that waits longer than `timeout_minutes` for another rank fails, naming --dist-timeout."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
@@ -163,14 +211,11 @@ def _explain_timeout(excepthook, minutes: float, kind, value, traceback) -> None
 
 
 def cleanup_distributed() -> None:
-    """The last call of a distributed run, once main has returned (its DDP wrappers and sharded models
-    freed): wait for every rank, since rank 0 may still be writing the checkpoint, then tear the process
-    group down. On CPU the process then ends at once, without Python's interpreter teardown: gloo's
-    worker threads outlive destroy_process_group when anything still holds the group (after FSDP,
-    torch's DTensor caches hold its device mesh), and one still releasing the last collective's tensors
-    needs the GIL; during teardown that aborts the process ('terminate called without an active
-    exception', exit code -6: about one two-rank run of benchmarks/checkpoint_memory.py in six on a busy
-    2-core machine)."""
+    """The last call of a distributed run, once main has returned: wait for every rank (rank 0 may still be
+    writing), then tear the process group down. On CPU the process then ends at once: gloo's worker
+    threads outlive destroy_process_group while anything holds the group (after FSDP, DTensor's caches
+    hold its mesh), and one that needs the GIL during interpreter teardown aborts the process
+    ('terminate called without an active exception', exit code -6)."""
     if dist.is_initialized():
         on_cpu = dist.get_backend() == "gloo"
         dist.barrier()
@@ -186,26 +231,12 @@ def print0(*args, **kwargs) -> None:
         print(*args, **kwargs, flush=True)
 
 
-def _all_reduce(x: torch.Tensor, op) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """A copy of `x` reduced over ranks by "sum", "min" or "max" (identity on one process)."""
     x = x.detach().clone()
     if dist.is_initialized():
-        dist.all_reduce(x, op=op)
+        dist.all_reduce(x, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op])
     return x
-
-
-def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum a tensor over ranks (a copy; identity on one process)."""
-    return _all_reduce(x, dist.ReduceOp.SUM)
-
-
-def all_reduce_min(x: torch.Tensor) -> torch.Tensor:
-    """Minimum of a tensor over ranks (a copy; identity on one process)."""
-    return _all_reduce(x, dist.ReduceOp.MIN)
-
-
-def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
-    """Maximum of a tensor over ranks (a copy; identity on one process)."""
-    return _all_reduce(x, dist.ReduceOp.MAX)
 
 
 def all_reduce_mean(metrics: dict[str, float | torch.Tensor], device: torch.device) -> dict[str, float]:
@@ -215,59 +246,18 @@ def all_reduce_mean(metrics: dict[str, float | torch.Tensor], device: torch.devi
         return {}
     values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).detach() for v in metrics.values()])
     if dist.is_initialized():
-        values = all_reduce_sum(values) / dist.get_world_size()
+        values = all_reduce(values) / dist.get_world_size()
     return dict(zip(metrics, values.tolist()))
 
 
-# ---------------------------------------------------------------------------------------------
-# Metrics
-# ---------------------------------------------------------------------------------------------
-
-
-def mean_metrics(dicts: list[dict[str, float | torch.Tensor]]) -> dict[str, float | torch.Tensor]:
-    """Average each key over the dicts that have it (e.g. per-micro-batch metrics of a step)."""
-    keys = dict.fromkeys(key for d in dicts for key in d)
-    return {key: sum(d[key] for d in dicts if key in d) / sum(key in d for d in dicts) for key in keys}
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of x over the positions where mask is 1 (0 when there are none), without gradient."""
-    return ((x * mask).sum() / mask.sum().clamp(min=1)).detach()
-
-
-def rollout_metrics(rewards: torch.Tensor, components: dict[str, torch.Tensor], rollout) -> dict[str, torch.Tensor]:
-    """reward/mean, /std and each component's mean, and response/length_mean and /truncated_frac, of this
-    rank's completions, as tensors (`all_reduce_mean` averages them over ranks)."""
-    lengths = rollout.response_mask.sum(-1)
-    return {"reward/mean": rewards.mean(), "reward/std": rewards.std(),
-            **{f"reward/{name}": value.mean() for name, value in components.items()},
-            "response/length_mean": lengths.mean(), "response/truncated_frac": rollout.truncated.float().mean()}
-
-
-def perf_metrics(times: dict[str, float], step_start: float, rollout, device: torch.device
-                 ) -> dict[str, float | torch.Tensor]:
-    """perf/step_s (since `step_start`), perf/<name>_s for each timed section, perf/tokens_per_s (this rank's
-    response tokens: all_reduce_mean's average times the ranks is the whole step's) and perf/peak_mem_gb."""
-    step_s = time.perf_counter() - step_start
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    return {"perf/step_s": step_s, **{f"perf/{name}_s": seconds for name, seconds in times.items()},
-            "perf/tokens_per_s": rollout.response_mask.sum() * world_size / step_s,
-            "perf/peak_mem_gb": peak_memory_gb(device)}
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    """Peak accelerator memory allocated, or this process's peak resident memory on CPU."""
-    return (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()) / 2**30
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory: /proc's VmHWM where there is one, since Linux carries
-    `ru_maxrss` over fork and exec, so that a process started by a larger one reports the other's peak."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024  # kB
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux, bytes on macOS: rough
+def no_sync(models, last: bool) -> contextlib.ExitStack:
+    """Inside, backward() accumulates gradients without DDP's all-reduce for each DDP-wrapped module of
+    `models`, unless this is the `last` micro-batch of the optimizer step, whose backward syncs them."""
+    stack = contextlib.ExitStack()
+    for model in () if last else models:
+        if isinstance(model, DistributedDataParallel):
+            stack.enter_context(model.no_sync())
+    return stack
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -275,8 +265,630 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model)
 
 
+def on_every_rank(model, flag: bool, device: torch.device) -> bool:
+    """`flag` where every rank has it, for a model whose forward is collective (DDP broadcasts its buffers,
+    FSDP all-gathers its weights), so that the ranks run the same forwards; `flag` for any other model."""
+    collective = isinstance(model, DistributedDataParallel) or isinstance(unwrap(model), FSDPModule)
+    if not (dist.is_initialized() and collective):
+        return flag
+    return bool(all_reduce(torch.tensor(int(flag), device=device), "min"))
+
+
 # ---------------------------------------------------------------------------------------------
-# Generation and log-probs
+# 3. Models
+# ---------------------------------------------------------------------------------------------
+
+
+def from_pretrained(auto_class, name: str, flag: str = "--model", **kwargs):
+    """`auto_class.from_pretrained` that never runs code from the model's folder or repository (every config,
+    tokenizer and model here loads through it): a model that needs it (`auto_map`) stops with one line
+    instead of transformers' question "Do you wish to run the custom code?", which a `yes |` would answer."""
+    path = Path(name).expanduser()
+    if not path.exists() and (name.startswith((".", "/", "~")) or name.count("/") > 1):
+        raise UsageError(f"{flag} {name!r}: no such folder. Pass an existing folder or a Hugging Face model name.")
+    if (path / "config.json").is_file():
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            config = e
+        if not isinstance(config, dict):
+            what = f"not valid JSON ({config})" if isinstance(config, Exception) else f"a JSON {type(config).__name__}"
+            raise UsageError(f"{flag} {name!r}: its config.json is {what}, not a JSON object. Restore the model's "
+                             "config.json (copy it again from where the model came from).")
+    try:
+        return auto_class.from_pretrained(name, trust_remote_code=False, **kwargs)
+    except SafetensorError as e:
+        raise UsageError(f"{flag} {name!r}: cannot read its weights ({e}). A file is damaged or incomplete (an "
+                         "interrupted download or copy?): copy the model again.") from None
+    except pickle.UnpicklingError:  # torch.load(weights_only=True) met something other than tensors
+        raise UsageError(f"{flag} {name!r}: its weights file holds pickled data other than tensors. Refused without "
+                         "running it: use the model's safetensors weights, or a copy you trust.") from None
+    except (OSError, ValueError) as e:
+        if "trust_remote_code" in str(e):
+            raise UsageError(f"{flag} {name!r}: it needs code from the model's folder or repository (auto_map), and "
+                             "code from a model is never run here. Use a model whose architecture transformers "
+                             "has.") from None
+        raise UsageError(f"{flag} {name!r}: cannot load it ({str(e).splitlines()[0]}). Pass a local folder or a "
+                         "Hugging Face model name reachable from this machine.") from None
+
+
+def load_tokenizer(name: str, flag: str = "--model"):
+    """Left padding (prompts end where generation starts) and a pad token distinct from EOS, so that
+    masking padding can never mask the real EOS token, which is an action and gets gradient."""
+    tokenizer = from_pretrained(AutoTokenizer, name, flag)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
+    return tokenizer
+
+
+def load_model(name: str, dtype: str, device: torch.device, tokenizer, auto_class=AutoModelForCausalLM,
+               flag: str = "--model"):
+    """Any causal LM (or, with `auto_class`, e.g. `AutoModel`, its backbone) by Hugging Face name or local
+    path, in `dtype` ("auto": fp32 on CPU, bf16 on GPU), its embeddings grown if `load_tokenizer` added a
+    pad token. Log-probs must be a deterministic function of the weights, also in train mode (which
+    --gradient-checkpointing needs): every dropout rate is zeroed in the config before the model is built
+    (attention dropout is applied functionally from it) and in every dropout module."""
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+    config = from_pretrained(AutoConfig, name, flag)
+    _zero_dropout(config)
+    backbone = auto_class is not AutoModelForCausalLM  # e.g. a critic: a causal LM's head is left unused
+    with transformers_quiet(backbone):
+        model, info = from_pretrained(auto_class, name, flag, config=config, dtype=getattr(torch, dtype),
+                                      output_loading_info=True)
+    if backbone and (info["missing_keys"] or info["mismatched_keys"]):  # what the silenced report said of worth
+        print0(f"warning: {flag} {name!r}: weights not in the checkpoint, left as initialised: "
+               f"{sorted(map(str, info['missing_keys'] or info['mismatched_keys']))[:5]}")
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))  # a pad token was added
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    for module in model.modules():  # also dropout modules built with a rate of their own, not the config's
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+    model = model.to(device)
+    if model.get_output_embeddings() is not None:
+        check_output_logits(model, name, flag)
+    return model
+
+
+def _zero_dropout(config) -> None:
+    """Every dropout-like rate of a model config (attention_dropout, resid_pdrop, layerdrop, ...) set to 0."""
+    for key, value in vars(config).items():
+        if "drop" in key and isinstance(value, float):
+            setattr(config, key, 0.0)
+        elif isinstance(value, transformers.PretrainedConfig):
+            _zero_dropout(value)
+
+
+@contextlib.contextmanager
+def transformers_quiet(quiet: bool = False):
+    """transformers' progress bars off while loading or saving (one bar per rank under torchrun), and with
+    `quiet` its warnings too (a backbone's load report lists the unused LM head as UNEXPECTED)."""
+    level, bars = transformers.utils.logging.get_verbosity(), transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    if quiet:
+        transformers.utils.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers.utils.logging.set_verbosity(level)
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+
+
+@torch.no_grad()
+def check_output_logits(model, name: str, flag: str = "--model") -> None:
+    """Fail at load time unless `output_logits` reproduces the model's own logits on a few tokens (tolerance:
+    1e-4 of the largest logit in fp32, 2e-2 in 16-bit): `get_logprobs` projects hidden states itself, so a
+    forward that changes the logits in a way it does not know would train another distribution than the
+    one sampled."""
+    ids = torch.arange(8, device=model.device)[None] % model.config.get_text_config().vocab_size
+    out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+    theirs, ours = out.logits.float(), output_logits(model, out.hidden_states[-1]).float()
+    tolerance = (1e-4 if model.dtype == torch.float32 else 2e-2) * theirs.abs().max().clamp(min=1)
+    difference = (ours - theirs).abs().max()
+    if not difference <= tolerance:
+        raise UsageError(f"{flag} {name!r}: its forward changes the LM head's logits in a way get_logprobs does not "
+                         f"reproduce (largest difference {difference.item():.3g}). Supported: a plain LM head, "
+                         "final_logit_softcapping, logit_scale, logits_scaling; add its transform to "
+                         "common.output_logits.")
+
+
+def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """FSDP2, in place: each decoder layer (the model's `_no_split_modules` classes), then the rest. On GPU
+    the shards are fp32 master weights and the compute is bf16, with gradients reduced in fp32."""
+    mp = MixedPrecisionPolicy()
+    if device.type == "cuda":
+        model.float()
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    layer_classes = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or ()}
+    for module in model.modules():
+        if type(module).__name__ in layer_classes:
+            fully_shard(module, mp_policy=mp)
+    return fully_shard(model, mp_policy=mp)
+
+
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """`clip_grad_norm_` that returns the total norm as a plain tensor, also for FSDP's sharded gradients."""
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def model_positions(name: str, flag: str = "--model") -> int | None:
+    """How many positions (prompt and completion together) the model takes, from its config (None: no limit)."""
+    config = from_pretrained(AutoConfig, name, flag).get_text_config()
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if isinstance(getattr(config, key, None), int):
+            return getattr(config, key)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Data
+# ---------------------------------------------------------------------------------------------
+
+
+def builtin_splits(max_operand: int = 99, eval_size: int = 500) -> tuple[list[dict], list[dict]]:
+    """The built-in task: `a+b` for 0 <= a, b <= max_operand, answered with the sum's digits. All pairs,
+    shuffled once with a fixed seed: the first `eval_size` are held out, the rest (9,500) train."""
+    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(1234)).tolist()
+    examples = [{"prompt": f"{a}+{b}", "answer": str(a + b)} for a, b in (pairs[i] for i in order)]
+    return examples[eval_size:], examples[:eval_size]
+
+
+def load_rows(source: str, flag: str = "--dataset", config: str | None = None, split: str | None = "train",
+              prompt_field: str = "prompt", answer_field: str = "answer") -> list[dict]:
+    """`{"prompt", "answer"}` rows from a JSONL file (read here: it needs nothing more) or anything `datasets`
+    reads (a Hub name, JSON/Parquet/CSV files, a `save_to_disk` folder) at `config` and `split` (None: its
+    'test' split, or its only one). A missing, null or non-text field stops naming the file and line."""
+    records = _jsonl_records(source, flag) if source.endswith(".jsonl") and config is None else \
+        _dataset_records(source, flag, config, split)
+    rows = []
+    for where, record in records:
+        if not isinstance(record, dict):
+            raise UsageError(f"{where}: not an object with the fields {prompt_field!r} and {answer_field!r}.")
+        for key, field_flag in ((prompt_field, "--prompt-field"), (answer_field, "--answer-field")):
+            if key not in record:
+                raise UsageError(f"{where}: missing field {key} (it has {', '.join(record) or 'none'}). "
+                                 f"Name the field with {field_flag}.")
+            if record[key] is None:
+                raise UsageError(f"{where}: field {key} is null. Every row needs a {key}.")
+            if not isinstance(record[key], (str, int, float)) or isinstance(record[key], bool):
+                raise UsageError(f"{where}: field {key} is a {type(record[key]).__name__}; it must be text or a "
+                                 "number.")
+        rows.append({"prompt": str(record[prompt_field]), "answer": str(record[answer_field])})
+    if not rows:
+        raise UsageError(f"{flag} {source!r}: the dataset has no examples.")
+    return rows
+
+
+def _jsonl_records(source: str, flag: str):
+    """(file:line, object) for each non-empty line of a JSONL file."""
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise UsageError(f"{flag} {str(path)!r}: no such file. Pass a JSONL file with one "
+                         '{"prompt": ..., "answer": ...} object a line, or leave it out for the built-in task.')
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UsageError(f"{path}:{line_no}: not UTF-8 ({e.reason} at byte {e.start}). "
+                                 "Save it as UTF-8.") from None
+            if line.strip():
+                yield f"{path}:{line_no}", _json(line, f"{path}:{line_no}", "Each line must be one JSON object.")
+
+
+def _json(text: str, where: str, fix: str):
+    """`json.loads(text)`, or a stop naming `where` and what json objected to, in a few words."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        problem = "nested too deep"
+    except json.JSONDecodeError as e:
+        problem = e.msg
+    except ValueError:  # its own message names a function to call
+        problem = f"a number of more than {sys.get_int_max_str_digits()} digits"
+    raise UsageError(f"{where}: not valid JSON ({problem}). {fix}")
+
+
+def _dataset_records(source: str, flag: str, config: str | None, split: str | None):
+    """('<source> [split] row i', row) for each row of what `datasets` reads from `source`."""
+    try:
+        import datasets
+    except ImportError:
+        raise UsageError(f"{flag} {source!r}: reading a Hugging Face dataset or a file other than JSONL needs "
+                         "the datasets package: pip install datasets") from None
+    path = Path(source).expanduser()
+    builder = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix)
+    if path.is_file() and builder is None:
+        raise UsageError(f"{flag} {source!r}: a {path.suffix or 'extensionless'} file; pass JSONL, JSON, Parquet "
+                         "or CSV, a dataset folder or a Hugging Face dataset name.")
+    try:
+        if path.is_dir() and any((path / f).exists() for f in ("dataset_dict.json", "dataset_info.json")):
+            data = datasets.load_from_disk(str(path))  # written by save_to_disk
+        elif path.is_file():
+            data = datasets.load_dataset(builder, data_files=str(path))
+        else:
+            data = datasets.load_dataset(source, config)
+    except (OSError, ValueError, ImportError, RuntimeError) as e:  # RuntimeError: a loading script, refused
+        raise UsageError(f"{flag} {source!r}: cannot load it ({type(e).__name__}: {str(e).splitlines()[0]}). "
+                         "Pass a dataset file or folder, or a Hugging Face dataset name reachable from this "
+                         "machine.") from None
+    name = split
+    if isinstance(data, datasets.DatasetDict):
+        if name is None:
+            name = "test" if "test" in data or len(data) != 1 else next(iter(data))
+        if name not in data:
+            which = "--split" if flag == "--dataset" else "--eval-split"
+            raise UsageError(f"{flag} {source!r}: no split {name!r}; it has {list(data)}. Choose one with {which}.")
+        data = data[name]
+    for i, row in enumerate(data):
+        yield f"{source} [{name or 'train'}] row {i}", row
+
+
+def load_data(dataset: str | None, eval_dataset: str | None, eval_size: int, dataset_config: str | None = None,
+              split: str = "train", eval_split: str | None = None, prompt_field: str = "prompt",
+              answer_field: str = "answer") -> tuple[list[dict], list[dict]]:
+    """(train, eval) examples: the built-in task, or `load_rows` of --dataset with, held out, --eval-dataset
+    (at --eval-split or its 'test' split), else --eval-split of --dataset, else its last `eval_size` rows."""
+    if dataset is None:
+        train, held_out = builtin_splits(eval_size=eval_size)
+        if not train:
+            raise UsageError(f"--eval-size {eval_size}: the built-in task has {len(held_out)} prompts, so none "
+                             "would be left to train on. Hold out fewer (the default is 500).")
+        return train, held_out
+    fields = dict(prompt_field=prompt_field, answer_field=answer_field)
+    train = load_rows(dataset, "--dataset", dataset_config, split, **fields)
+    if eval_dataset is not None:
+        return train, load_rows(eval_dataset, "--eval-dataset", None, eval_split, **fields)
+    if eval_split is not None:
+        return train, load_rows(dataset, "--dataset", dataset_config, eval_split, **fields)
+    if len(train) <= eval_size:
+        raise UsageError(f"--dataset {dataset!r} has {len(train)} rows, too few to hold out --eval-size {eval_size}. "
+                         "Pass --eval-dataset or --eval-split, or a smaller --eval-size.")
+    return train[:len(train) - eval_size], train[len(train) - eval_size:]  # eval_size 0: all rows train
+
+
+def fit_prompts(train: list[dict], held_out: list[dict], tokenizer, chat_template: bool,
+                max_prompt_length: int | None, max_new_tokens: int, positions: int | None
+                ) -> tuple[list[dict], list[dict]]:
+    """The examples whose prompt, formatted as it will be sampled from, is not empty, has at most
+    `max_prompt_length` tokens and leaves room for `max_new_tokens` in the model's `positions` (a longer
+    one would be trained on positions past the trained range, or crash the step that draws it). The
+    others are dropped with a printed count; a set left empty stops the run."""
+    limit = min(max_prompt_length or math.inf, positions - max_new_tokens if positions else math.inf)
+    if limit < 1:
+        raise UsageError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's {positions} "
+                         "positions. Lower --max-new-tokens.")
+    why = f"longer than --max-prompt-length {limit} tokens" if limit == max_prompt_length else \
+        (f"longer than {limit} tokens (the model takes {positions} positions, --max-new-tokens {max_new_tokens} of "
+         "them for the completion)")
+    fitted = []
+    for examples, what in ((train, "training data"), (held_out, "held-out data")):
+        texts = [format_prompt(tokenizer, e["prompt"], chat_template) for e in examples]
+        try:
+            prompts = tokenizer(texts, add_special_tokens=False).input_ids if texts else []
+        except Exception as e:  # e.g. a word-level tokenizer without an unknown token meets a new character
+            raise UsageError(_unencodable(tokenizer, examples, what, e)) from None
+        empty = sum(len(ids) == 0 for ids in prompts)  # nothing to continue from
+        if examples and empty == len(examples):
+            raise UsageError(f"{what}: all {len(examples)} prompts are empty (no token, and no chat template or BOS "
+                             "token around them). Check --prompt-field, or leave --chat-template on.")
+        if empty:
+            print0(f"{what}: dropped {empty} of {len(examples)} prompts that are empty (no token)")
+        kept = [e for e, ids in zip(examples, prompts) if 0 < len(ids) <= limit]
+        if examples and not kept:
+            raise UsageError(f"{what}: all {len(examples)} prompts are {why}. Raise --max-prompt-length, or lower "
+                             "--max-new-tokens.")
+        if len(kept) < len(examples) - empty:
+            print0(f"{what}: dropped {len(examples) - empty - len(kept)} of {len(examples)} prompts {why}")
+        fitted.append(kept)
+    check_round_trip(tokenizer, train[:64])
+    return fitted[0], fitted[1]
+
+
+def check_round_trip(tokenizer, examples: list[dict]) -> None:
+    """Warn when prompts do not come back from encode + decode as they were: the model would be trained on
+    other text than the data's (a tokenizer class that drops spaces, or an unknown-token fallback)."""
+    for example in examples:
+        text = example["prompt"]
+        back = tokenizer.decode(tokenizer(text, add_special_tokens=False).input_ids)
+        if back != text:
+            return print0(f"warning: the tokenizer of --model ({type(tokenizer).__name__}) does not give the prompts "
+                          f"back as they were: {text[:60]!r} comes back as {back[:60]!r}. The model is trained on what "
+                          "it encodes; check that the folder's tokenizer files are the model's own.")
+
+
+def _unencodable(tokenizer, examples: list[dict], what: str, error: Exception) -> str:
+    """The message naming the first row, and character, of `examples` that `tokenizer` cannot encode."""
+    for i, example in enumerate(examples):
+        for char in dict.fromkeys(example["prompt"]):
+            try:
+                tokenizer(char, add_special_tokens=False)
+            except Exception:
+                return (f"{what}, row {i}: the tokenizer of --model cannot encode {char!r} in the prompt "
+                        f"{example['prompt'][:60]!r} ({type(error).__name__}: {error}). Pass a --model whose tokenizer "
+                        "covers the data's characters.")
+    return f"{what}: the tokenizer of --model cannot encode the prompts ({type(error).__name__}: {error})."
+
+
+def format_prompt(tokenizer, prompt: str, chat_template: bool) -> str:
+    """The text the model continues: the chat template's user turn + assistant header when the
+    tokenizer has a template (and `--chat-template` is on), else the raw prompt after BOS."""
+    if chat_template and tokenizer.chat_template:
+        messages = [{"role": "user", "content": prompt}]
+        try:
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # jinja2's TemplateError, or what the template raises itself
+            raise UsageError(f"the chat template of --model cannot render a prompt ({type(e).__name__}: {e}). Fix its "
+                             "chat_template.jinja (or chat_template in tokenizer_config.json), or pass "
+                             "--no-chat-template.") from None
+    return (tokenizer.bos_token or "") + prompt
+
+
+def prompt_batch(examples: list[dict], step: int, batch_size: int, rank: int, world_size: int, seed: int) -> list[dict]:
+    """This rank's slice of step `step`'s global batch of `batch_size` prompts. Every rank computes the same
+    global order (a fresh permutation each epoch, seeded by seed + epoch), so the data order depends only on
+    (seed, step): resuming is exact and the global batch is the same whatever the number of ranks."""
+    local = batch_size // world_size
+    start = step * batch_size + rank * local
+    return [examples[_epoch_order(len(examples), seed + pos // len(examples))[pos % len(examples)]]
+            for pos in range(start, start + local)]
+
+
+@functools.lru_cache(maxsize=2)
+def _epoch_order(num_examples: int, seed: int) -> list[int]:
+    return torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Rewards and evaluation
+# ---------------------------------------------------------------------------------------------
+
+
+def final_answer(text: str) -> str | None:
+    """The content of a completion's last \\boxed{...}, else what follows its last '####' (GSM8K), else None."""
+    start = text.rfind("\\boxed{")
+    if start >= 0:
+        depth, i = 1, start + len("\\boxed{")
+        for j in range(i, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            if depth == 0:
+                return text[i:j].strip()
+        return None  # unclosed brace
+    if "####" in text:
+        return text.rsplit("####", 1)[1].strip() or None
+    return None
+
+
+def _to_number(text: str) -> float | None:
+    """A plain number ('1,234', '-3.5', '$12', '3/4', '1.5e3'), or None."""
+    text = text.replace(",", "").replace("$", "").strip().rstrip(".")  # '12 13' is two numbers, not 1213
+    try:
+        if "/" in text:
+            num, den = text.split("/")
+            return float(num) / float(den)
+        return float(text)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+# The child process that runs math-verify: one (gold, completion) JSON line in, "1" or "0" out. It runs
+# isolated (`python -I`: a `json.py` in the working directory is not imported), with the folder that holds
+# math_verify (argv[1]) on its path. Its own timeouts are off (signal.alarm cannot stop C code such as
+# big-integer arithmetic): the parent enforces the deadline. An address-space limit turns a runaway
+# allocation into a MemoryError (scored 0) rather than the machine's OOM killer.
+_MATH_VERIFY_CHILD = r"""
+import sys
+sys.path.append(sys.argv[1])
+import json, logging, resource
+resource.setrlimit(resource.RLIMIT_AS, (4 * 2**30, 4 * 2**30))
+logging.disable(logging.WARNING)
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+config = [LatexExtractionConfig(), ExprExtractionConfig()]
+print("ready", flush=True)
+for line in sys.stdin:
+    gold, completion = json.loads(line)
+    try:
+        right = verify(parse(gold, config, parsing_timeout=None), parse(completion, config, parsing_timeout=None),
+                       timeout_seconds=None)
+    except Exception:
+        right = False
+    print(int(right), flush=True)
+"""
+
+
+class MathVerifier:
+    """math-verify (the grader of TRL's accuracy reward) in a child process, with a hard deadline: a completion
+    not graded within `timeout_s` scores 0 and the child is started afresh, so no completion can hang a step
+    (under torchrun the other ranks would wait in a collective). One child per rank, started on first use."""
+
+    def __init__(self, timeout_s: float = 2.0):
+        self.timeout_s, self.child, self.timeouts = timeout_s, None, 0
+
+    def _start(self) -> None:
+        found = importlib.util.find_spec("math_verify")
+        if found is None:
+            raise UsageError("the math reward needs math-verify: pip install -r requirements.txt")
+        where = str(Path(found.origin).parent.parent)  # the site-packages (or other folder) it is installed in
+        self.child = subprocess.Popen([sys.executable, "-I", "-c", _MATH_VERIFY_CHILD, where], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        if not select.select([self.child.stdout], [], [], 120)[0] or self.child.stdout.readline() != "ready\n":
+            self._stop()
+            raise UsageError("the math reward's math-verify process did not start: check "
+                             "`python -c 'import math_verify'`")
+
+    def _stop(self) -> None:
+        self.child.kill()
+        self.child.wait()
+        self.child = None
+
+    def __call__(self, gold: str, completion: str) -> bool:
+        if self.child is None or self.child.poll() is not None:  # not started yet, or ended from outside
+            self._start()
+        self.child.stdin.write(json.dumps([gold, completion]) + "\n")
+        self.child.stdin.flush()
+        if select.select([self.child.stdout], [], [], self.timeout_s)[0]:
+            answer = self.child.stdout.readline()
+            if answer:
+                return answer == "1\n"
+        self.timeouts += 1  # over the deadline, or the child died: it is replaced for the next completion
+        self._stop()
+        return False
+
+
+_math_verifier = MathVerifier()
+
+
+def math_reward(completion: str, answer: str) -> bool:
+    """Is `completion` right, for a gold `answer` such as '72', '\\frac{1}{2}', '(1, 3]', 'B' or GSM8K's
+    'reasoning #### 72'? Plain numbers (the completion's final answer, or the whole completion) are compared
+    numerically (1e-6 relative); a gold letter A-J with the letter chosen (`chosen_letter`); anything else
+    symbolically by math-verify (fractions, roots, pi, units, intervals, tuples, sets, equations)."""
+    gold = answer.rsplit("####", 1)[-1].strip()
+    stated = final_answer(completion)
+    prediction = stated if stated is not None else completion.strip()
+    numbers = _to_number(gold), _to_number(prediction)
+    if None not in numbers:
+        return math.isclose(*numbers, rel_tol=1e-6, abs_tol=1e-9)
+    letter = re.fullmatch(r"\(?([A-J])\)?", gold)
+    if letter:
+        return chosen_letter(completion) == letter.group(1)
+    if numbers[0] is not None and re.fullmatch(r"-?[\d.]+[eE][-+]?\d+", gold):
+        gold = f"{numbers[0]:f}".rstrip("0").rstrip(".")  # LaTeX reads 1.5e3 as 1.5 times a symbol e
+    if "\\boxed" not in gold and "$" not in gold:
+        gold = f"${gold}$"  # LaTeX, e.g. \frac{1}{2}, (1, 3], \{1, 2\}
+    return _math_verifier(gold, f"\\boxed{{{stated}}}" if stated is not None else completion)
+
+
+def chosen_letter(completion: str) -> str | None:
+    """The multiple-choice letter a completion gives: its final answer ('B', '(B)', '\\text{B}'), else the
+    last '(B)' or 'answer is B' / 'Answer: B' in the text."""
+    stated = final_answer(completion)
+    if stated is not None:
+        letter = re.fullmatch(r"\(?(?:\\text\{)?\s*([A-J])\s*\}?\)?", stated)
+        return letter.group(1) if letter else None
+    found = re.findall(r"\(([A-J])\)|(?i:answer)(?:\s+is|\s*:)?\s*\(?([A-J])\b", completion)
+    return "".join(found[-1]) if found else None
+
+
+def correctness_reward(completions: list[str], answers: list[str], exact: bool) -> torch.Tensor:
+    """1.0 where the completion is right: the whole text equals the answer (`exact`, the built-in task),
+    or it states the gold answer, by `math_reward` (real data)."""
+    right = [c.strip() == a.strip() if exact else math_reward(c, a) for c, a in zip(completions, answers)]
+    if _math_verifier.timeouts:
+        print(f"math reward: {_math_verifier.timeouts} completion(s) not graded within {_math_verifier.timeout_s} s "
+              "scored 0", flush=True)
+        _math_verifier.timeouts = 0
+    return torch.tensor(right, dtype=torch.float32)
+
+
+def format_reward(completions: list[str], exact: bool) -> torch.Tensor:
+    """1.0 where the answer is given in the expected form: a bare number (built-in) or \\boxed{} / ####."""
+    if exact:
+        return torch.tensor([re.fullmatch(r"\s*-?\d+\s*", c) is not None for c in completions], dtype=torch.float32)
+    return torch.tensor(["\\boxed{" in c or "####" in c for c in completions], dtype=torch.float32)
+
+
+def load_reward_fn(spec: str, examples: list[dict] = ()):
+    """`module:function` (importable from the working directory) or `path/to/file.py:function`, called as
+    `fn(prompts, completions, answers)` -> one float per completion; tried at once on `examples`."""
+    module_name, _, fn_name = spec.rpartition(":")
+    if not module_name or not fn_name:
+        raise UsageError(f"--reward-fn {spec!r}: expected 'module:function' or 'file.py:function'.")
+    ours = sys.modules.get(module_name.partition(".")[0])
+    if not module_name.endswith(".py") and Path(getattr(ours, "__file__", None) or "/").parent == ROOT:
+        raise UsageError(f"--reward-fn {spec!r}: {module_name!r} is a module of this project; pass your file as "
+                         f"path/to/{module_name}.py:{fn_name}, or rename it.")
+    try:
+        if module_name.endswith(".py"):
+            loader_spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+            if loader_spec is None or not Path(module_name).is_file():
+                raise ImportError(f"no file {module_name}")
+            module = importlib.util.module_from_spec(loader_spec)
+            loader_spec.loader.exec_module(module)
+        else:
+            sys.path.insert(0, os.getcwd())  # for this import only: found from the working directory first
+            try:
+                module = importlib.import_module(module_name)
+            finally:
+                sys.path.remove(os.getcwd())
+    except Exception as e:
+        raise UsageError(f"--reward-fn {spec!r}: cannot import {module_name!r} ({type(e).__name__}: {e}).") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise UsageError(f"--reward-fn {spec!r}: {module_name!r} has no function {fn_name!r}.")
+    if examples:
+        answers = [e["answer"] for e in examples]
+        call_reward_fn(fn, spec, [e["prompt"] for e in examples], answers, answers)
+    return fn
+
+
+def call_reward_fn(fn, spec: str, prompts: list[str], completions: list[str], answers: list[str]) -> torch.Tensor:
+    """A user reward function's values (B,): one finite float per completion, or a stop that says what it gave.
+    It gets copies of the lists. It has no deadline: it runs in this process, where it may hold a model or a
+    connection (under torchrun the other ranks stop after --dist-timeout; give its own calls a timeout)."""
+    try:
+        values = fn(list(prompts), list(completions), list(answers))
+    except SystemExit as e:  # an exit inside it would end the run with its status, and no final/
+        raise UsageError(f"--reward-fn {spec!r} called sys.exit({e.code}). A reward function must return its "
+                         "values; to stop the run, raise an exception.") from None
+    except Exception as e:
+        raise UsageError(f"--reward-fn {spec!r} raised {type(e).__name__}: {e}") from None
+    out = None
+    if isinstance(values, (list, tuple, torch.Tensor)) or type(values).__name__ == "ndarray":  # not a dict's keys
+        with contextlib.suppress(TypeError, ValueError):
+            out = torch.tensor([float(v) for v in values], dtype=torch.float32)
+    if out is None or len(out) != len(completions) or not out.isfinite().all():
+        shown = repr(values) if out is None else repr(out.tolist()[:4])
+        raise UsageError(f"--reward-fn {spec!r} must return a list of one finite float per completion "
+                         f"({len(completions)}), got {shown[:200]}.")
+    return out
+
+
+def score(prompts: list[str], completions: list[str], answers: list[str], exact: bool, format_weight: float = 0.0,
+          reward_fn=None, reward_fn_spec: str = "") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Total reward (B,) = correct + format_weight * format + user reward, and each component (B,)."""
+    components = {"correct": correctness_reward(completions, answers, exact)}
+    if format_weight:
+        components["format"] = format_reward(completions, exact)
+    if reward_fn is not None:
+        components["user"] = call_reward_fn(reward_fn, reward_fn_spec, prompts, completions, answers)
+    rewards = components["correct"] + format_weight * components.get("format", 0.0) + components.get("user", 0.0)
+    return rewards, components
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, examples: list[dict], chat_template: bool, exact: bool, max_new_tokens: int,
+             rank: int, world_size: int, seed: int, batch_size: int = 256) -> dict[str, float]:
+    """Held-out accuracy: one sample at T=1 (`eval/accuracy`) and greedy (`eval/accuracy_greedy`). Each rank
+    scores a strided shard; sampling is seeded and forked, so evaluation neither depends on nor disturbs the
+    training RNG. `perf/eval_s` is its wall time (part of the step's `perf/step_s`)."""
+    start, shard = time.perf_counter(), examples[rank::world_size]
+    right = torch.zeros(2, dtype=torch.float64, device=model.device)
+    largest = -(-len(examples) // world_size)  # every rank runs as many batches (FSDP's forward is collective)
+    with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []):
+        torch.manual_seed(seed + rank)
+        for i in range(0, largest, batch_size):
+            batch, counted = shard[i : i + batch_size], True
+            if not batch:  # this rank's shard is one example short: generate for nothing, count nothing
+                batch, counted = examples[:1], False
+            prompts = [format_prompt(tokenizer, e["prompt"], chat_template) for e in batch]
+            for j, greedy in enumerate((False, True)):
+                texts = generate(model, tokenizer, prompts, 1, max_new_tokens, 1.0, greedy=greedy).texts
+                right[j] += correctness_reward(texts, [e["answer"] for e in batch], exact).sum().item() * counted
+    right = all_reduce(right) / len(examples)
+    return {"eval/accuracy": right[0].item(), "eval/accuracy_greedy": right[1].item(),
+            "perf/eval_s": time.perf_counter() - start}
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Generation and log-probs
 # ---------------------------------------------------------------------------------------------
 
 
@@ -291,7 +903,7 @@ class Rollout:
     texts:          B decoded responses (EOS and padding removed)
     truncated:      (B,) True where the response hit --max-new-tokens without EOS
     sampler_logprobs: (B, L) log-prob of each response token under the distribution the sampler drew it
-                    from (0 after EOS; 0 everywhere for greedy decoding, where each token had probability 1)
+                    from (0 after EOS; 0 everywhere for greedy decoding)
     """
 
     input_ids: torch.Tensor
@@ -304,23 +916,18 @@ class Rollout:
 
 
 def cat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
-    """Stack rollouts (or parts of them) into one: prompts re-padded on the left to the widest prompt,
-    responses on the right to the longest response. Rows keep their order, so groups stay contiguous."""
-    P = max(r.prompt_length for r in rollouts)
-    L = max(r.response_mask.shape[1] for r in rollouts)
+    """Stack rollouts into one: prompts re-padded on the left to the widest, responses on the right to the
+    longest. Rows keep their order, so groups stay contiguous."""
+    P, L = max(r.prompt_length for r in rollouts), max(r.response_mask.shape[1] for r in rollouts)
 
-    def pad(r: Rollout, x: torch.Tensor, value) -> torch.Tensor:  # (B, p+l) -> (B, P+L)
-        return F.pad(x, (P - r.prompt_length, L - (x.shape[1] - r.prompt_length)), value=value)
+    def pad(r: Rollout, x: torch.Tensor, value, left: bool = True) -> torch.Tensor:  # to (B, P+L), or (B, L)
+        return F.pad(x, (P - r.prompt_length if left else 0, L - r.response_mask.shape[1]), value=value)
 
-    return Rollout(
-        input_ids=torch.cat([pad(r, r.input_ids, pad_token_id) for r in rollouts]),
-        attention_mask=torch.cat([pad(r, r.attention_mask, 0) for r in rollouts]),
-        response_mask=torch.cat([F.pad(r.response_mask, (0, L - r.response_mask.shape[1])) for r in rollouts]),
-        prompt_length=P,
-        texts=[t for r in rollouts for t in r.texts],
-        truncated=torch.cat([r.truncated for r in rollouts]),
-        sampler_logprobs=torch.cat([F.pad(r.sampler_logprobs, (0, L - r.response_mask.shape[1])) for r in rollouts]),
-    )
+    return Rollout(torch.cat([pad(r, r.input_ids, pad_token_id) for r in rollouts]),
+                   torch.cat([pad(r, r.attention_mask, 0) for r in rollouts]),
+                   torch.cat([pad(r, r.response_mask, 0, left=False) for r in rollouts]), P,
+                   [t for r in rollouts for t in r.texts], torch.cat([r.truncated for r in rollouts]),
+                   torch.cat([pad(r, r.sampler_logprobs, 0, left=False) for r in rollouts]))
 
 
 def select_rows(rollout: Rollout, rows: torch.Tensor) -> Rollout:
@@ -331,18 +938,11 @@ def select_rows(rollout: Rollout, rows: torch.Tensor) -> Rollout:
                    rollout.sampler_logprobs[rows])
 
 
-def eos_token_ids(model, tokenizer) -> list[int]:
-    ids = model.generation_config.eos_token_id
-    ids = [ids] if isinstance(ids, int) else list(ids or [])
-    return sorted(set(ids) | {tokenizer.eos_token_id} - {None})
-
-
 class Sampler(LogitsProcessor):
-    """Sampling's only logits processor, run in transformers' greedy loop: it draws each row's token from
-    softmax(logits / T) (torch.multinomial), keeps the token's log-probability under that distribution, and
-    returns scores that are 0 at the drawn token and -inf elsewhere, which the greedy step then takes. So
-    the recorded log-prob is that of the distribution the token was drawn from, whatever else transformers
-    does around the processor."""
+    """Sampling's only logits processor, in transformers' greedy loop: it draws each row's token from
+    softmax(logits / T), keeps its log-prob under that distribution, and returns scores that are 0 at the
+    drawn token and -inf elsewhere, which the greedy step then takes. So the recorded log-prob is that of
+    the distribution the token was drawn from, whatever else transformers does around the processor."""
 
     def __init__(self, temperature: float):
         self.temperature, self.logprobs = temperature, []
@@ -359,22 +959,20 @@ def generate(model, tokenizer, prompts: list[str], group_size: int, max_new_toke
              greedy: bool = False) -> Rollout:
     """Sample `group_size` completions for each prompt text (already formatted) with `model.generate`.
 
-    Sampling is plain softmax(logits / T), the distribution that every loss here assumes (greedy:
-    argmax), whatever the checkpoint's generation_config.json holds: the generation configuration is
-    built here in full, taking only the EOS, pad and BOS ids from the checkpoint. transformers would
-    otherwise merge each field left unset (repetition_penalty, min_p, top_k 50, no_repeat_ngram_size,
-    min_new_tokens, suppress_tokens, ...) from `model.generation_config`, so that one is swapped out for
-    the call (and kept for saving). The tokens are drawn by `Sampler`, which records the log-prob of each
-    under the distribution it drew from, so that the gap to the trainer's can be logged."""
+    Sampling is plain softmax(logits / T), the distribution every loss here assumes (greedy: argmax),
+    whatever the checkpoint's generation_config.json holds: the configuration is built here in full,
+    taking only the EOS, pad and BOS ids from the checkpoint's, which is swapped out for the call (else
+    transformers would merge its top_k, repetition_penalty, min_new_tokens, ... into sampling)."""
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     prompt_ids = enc.input_ids.repeat_interleave(group_size, dim=0)
     prompt_mask = enc.attention_mask.repeat_interleave(group_size, dim=0)
-    eos_ids = eos_token_ids(model, tokenizer)
+    eos_ids = model.generation_config.eos_token_id
+    eos_ids = sorted(set([eos_ids] if isinstance(eos_ids, int) else eos_ids or []) | {tokenizer.eos_token_id} - {None})
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id,
                               bos_token_id=model.generation_config.bos_token_id, do_sample=False)  # Sampler draws
     sampler = Sampler(temperature)
-    # Under FSDP every forward is collective: a rank whose completions all ended keeps stepping with
-    # the others (synced_gpus) instead of leaving them waiting for its shards.
+    # Under FSDP every forward is collective: a rank whose completions all ended keeps stepping with the
+    # others (synced_gpus) instead of leaving them waiting for its shards.
     synced = dist.is_initialized() and isinstance(unwrap(model), FSDPModule)
     checkpoint_config, model.generation_config = model.generation_config, config
     try:
@@ -395,23 +993,16 @@ def generate(model, tokenizer, prompts: list[str], group_size: int, max_new_toke
                                    skip_special_tokens=True)
     sampler_logprobs = (torch.zeros(response.shape, device=response.device) if greedy
                         else torch.stack(sampler.logprobs, 1)[:, : response.shape[1]])
-    return Rollout(
-        input_ids=torch.cat([prompt_ids, response], 1),
-        attention_mask=torch.cat([prompt_mask, response_mask], 1),
-        response_mask=response_mask.float(),
-        prompt_length=P,
-        texts=texts,
-        truncated=~has_eos,
-        sampler_logprobs=sampler_logprobs.masked_fill(response_mask == 0, 0.0),
-    )
+    return Rollout(input_ids=torch.cat([prompt_ids, response], 1),
+                   attention_mask=torch.cat([prompt_mask, response_mask], 1), response_mask=response_mask.float(),
+                   prompt_length=P, texts=texts, truncated=~has_eos,
+                   sampler_logprobs=sampler_logprobs.masked_fill(response_mask == 0, 0.0))
 
 
 def shared_prompt_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int):
     """The KV cache of each prompt's tokens but its last, computed once per prompt and repeated for its
-    `group_size` rows, for `model.generate` to go on from: it runs the last prompt token of every row
-    against it, then samples. None where there is nothing to share (one row per prompt, one-token
-    prompts; for an FSDP model: on some rank) or the model's cache is not plain keys and values: generate
-    then runs every row's prompt."""
+    `group_size` rows, for `model.generate` to go on from. None where there is nothing to share or the
+    cache is not plain keys and values: generate then runs every row's prompt."""
     if not on_every_rank(model, group_size > 1 and prompt_ids.shape[1] > 1, prompt_ids.device):
         return None
     ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]
@@ -423,30 +1014,22 @@ def shared_prompt_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     return cache
 
 
-def on_every_rank(model, flag: bool, device: torch.device) -> bool:
-    """`flag` where every rank has it, for a model whose forward is collective (DDP broadcasts its buffers,
-    FSDP all-gathers its weights): the ranks must run the same forwards, or they would pair mismatched
-    collectives. `flag` itself for any other model."""
-    collective = isinstance(model, DistributedDataParallel) or isinstance(unwrap(model), FSDPModule)
-    if not (dist.is_initialized() and collective):
-        return flag
-    return bool(all_reduce_min(torch.tensor(int(flag), device=device)))
-
-
 def plain_cache(cache, length: int) -> bool:
-    """Whether `cache` holds plain keys and values (of full or sliding-window attention) for `length`
-    tokens: what can be indexed by row and extended, as sampling extends it. Not so for the states of
-    linear-attention or state-space layers, nor under gradient checkpointing, where transformers drops
-    the cache in each layer."""
+    """Whether `cache` holds plain keys and values for `length` tokens, which can be indexed by row: not so
+    for linear-attention or state-space layers, nor under gradient checkpointing (transformers drops it)."""
     return (isinstance(cache, DynamicCache) and cache.get_seq_length() == length
             and all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers))
 
 
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions from the mask: with left padding, each row's real tokens start at 0 (padding gets 0 too)."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
 def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     """The logits `model`'s forward returns, recomputed from its last hidden states (N, H) -> (N, V), in at
-    least fp32: the LM head, then what some architectures apply after it in their forward (Gemma's
-    soft-capping, Cohere's logit_scale, Granite's logits_scaling). The sampler draws from these logits
-    divided by the temperature, so the temperature goes after them, never before."""
+    least fp32: the LM head, then what some architectures apply after it (Gemma's soft-capping, Cohere's
+    logit_scale, Granite's logits_scaling). The temperature goes after these, as the sampler's does."""
     hf_model = unwrap(model)
     logits = hf_model.get_output_embeddings()(hidden)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -462,18 +1045,15 @@ def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
 
 def response_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
                            **forward_kwargs) -> torch.Tensor:
-    """The last hidden states (after the final norm) that score the response tokens: (B, P+L) ids and mask
-    -> (B, L, H), from columns P-1 .. P+L-2 (the state at column t predicts token t+1).
+    """The last hidden states that score the response tokens: (B, P+L) ids and mask -> (B, L, H), from
+    columns P-1 .. P+L-2 (the state at column t predicts token t+1).
 
-    Rows with the same prompt (a group's G completions, wherever they sit in the batch) share its forward:
-    each distinct prompt runs once with the KV cache, then every row's response tokens run against its
-    prompt's cached keys and values, as in sampling. Attention is causal, so a prompt's states never see
-    the response: the values are those of one forward of the whole rows, and each weight's gradient is
-    the same sum over the rows. With G completions of P prompt and L response tokens per prompt, a
-    forward and backward process P + G L positions instead of G (P + L). The rows run whole when no prompt
-    repeats (for a DDP or FSDP model: on some rank, `on_every_rank`), under gradient checkpointing in
-    train mode (transformers drops the cache there), and for a model whose cache is not plain keys and
-    values (linear-attention or state-space layers)."""
+    Rows with the same prompt (a group's G completions) share its forward: each distinct prompt runs once
+    with the KV cache, then every row's response runs against its prompt's cached keys and values.
+    Attention is causal, so the values are those of one forward of the whole rows, and each weight's
+    gradient is the same sum over the rows, for P + G L positions instead of G (P + L). The rows run whole
+    when no prompt repeats (on some rank, for a DDP or FSDP model), under gradient checkpointing in train
+    mode, and for a model whose cache is not plain keys and values."""
     P, hf_model = prompt_length, unwrap(model)
     prompts, row_prompt = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], 1), dim=0,
                                        return_inverse=True)  # (N, 2P) distinct prompts; (B,) each row's
@@ -494,11 +1074,6 @@ def response_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch
     return out.hidden_states[-1][:, P - 1 : -1]
 
 
-def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions from the mask: with left padding, each row's real tokens start at 0 (padding gets 0 too)."""
-    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
-
-
 def _token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, model, temperature: float, entropy: bool
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target) and, when `entropy`, the entropy for a chunk of positions: (N, H), (N,) -> (N,), (N,)."""
@@ -516,21 +1091,15 @@ def _token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, model, temperat
 def get_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, temperature: float,
                  chunk_size: int | None = None, entropy: bool = True, recompute_above: int = 2**27
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs of the response tokens under `model` (DDP-wrapped or not), and their entropy.
-
+    """Per-token log-probs of the response tokens under `model` (DDP-wrapped or not), and their entropy:
     (B, P+L) ids and mask -> logprobs (B, L) in fp32, entropy (B, L) without gradient (None unless
-    `entropy`); both are 0 after EOS.
-    The hidden states come from `response_hidden_states` (a prompt that rows share runs once). With
-    gradients and B x L x V up to `recompute_above` logits (512 MB in fp32), the logits are kept for the
-    backward pass and computed in one product: all of them are in memory anyway, and one product, with
-    one LM-head weight gradient, is faster than one per chunk (benchmarks/update_parts.py). Otherwise the
-    vocabulary projection runs in chunks of `chunk_size` positions, so the full (B, L, V) log-softmax
-    never exists at once, and with gradients each chunk is recomputed in the backward pass; by default a
-    chunk holds 2^25 logits (128 MB in fp32: 220 positions of a 151,936-token vocabulary)."""
+    `entropy`); both 0 after EOS. With gradients and up to `recompute_above` logits (512 MB in fp32), the
+    logits are computed in one product and kept for the backward pass. Otherwise the vocabulary projection
+    runs in chunks of `chunk_size` positions (default: 2^25 logits), recomputed in the backward pass, so
+    the full (B, L, V) log-softmax never exists at once."""
     hidden = response_hidden_states(model, input_ids, attention_mask, prompt_length, logits_to_keep=1)  # (B, L, H)
-    targets = input_ids[:, prompt_length:]  # (B, L)
     B, L, H = hidden.shape
-    hidden, targets = hidden.reshape(B * L, H), targets.reshape(B * L)
+    hidden, targets = hidden.reshape(B * L, H), input_ids[:, prompt_length:].reshape(B * L)
     vocab_size = unwrap(model).get_output_embeddings().weight.shape[0]
     recompute = torch.is_grad_enabled() and B * L * vocab_size > recompute_above
     kept = torch.is_grad_enabled() and not recompute
@@ -555,25 +1124,65 @@ def rollout_logprobs(model, rollout: Rollout, temperature: float, micro_batch_si
 
 def sampler_logprob_gap(sampler_logprobs: torch.Tensor, logprobs: torch.Tensor, response_mask: torch.Tensor
                         ) -> dict[str, torch.Tensor]:
-    """How far the trainer's log-probs (B, L) of the sampled tokens are from the sampler's (B, L), over the
-    response tokens of every rank: `policy/sampler_logprob_gap` (mean |difference|) and `_max`, as tensors
-    (already the same on every rank). Both are ~1e-6 when the two compute the same distribution in fp32;
-    a large value means the completions were not drawn from the distribution that the loss assumes."""
+    """How far the trainer's log-probs (B, L) of the sampled tokens are from the sampler's, over every rank's
+    response tokens: `policy/sampler_logprob_gap` (mean |difference|) and `_max`. Both are ~1e-6 when the two
+    compute the same distribution in fp32; a large value means the completions were not drawn from the
+    distribution that the loss assumes."""
     mask = response_mask.bool()
     difference = torch.where(mask, (sampler_logprobs - logprobs).abs(), 0.0).double()  # (B, L)
-    total = all_reduce_sum(torch.stack([difference.sum(), mask.sum().double()]))
-    largest = all_reduce_max(difference.max() if difference.numel() else difference.new_zeros(()))
+    total = all_reduce(torch.stack([difference.sum(), mask.sum().double()]))
+    largest = all_reduce(difference.max() if difference.numel() else difference.new_zeros(()), "max")
     return {"policy/sampler_logprob_gap": total[0] / total[1].clamp(min=1), "policy/sampler_logprob_gap_max": largest}
 
 
-def no_sync(models, last: bool) -> contextlib.ExitStack:
-    """Inside, backward() accumulates gradients without DDP's all-reduce for each DDP-wrapped module of
-    `models`, unless this is the `last` micro-batch of the optimizer step, whose backward syncs them."""
-    stack = contextlib.ExitStack()
-    for model in () if last else models:
-        if isinstance(model, DistributedDataParallel):
-            stack.enter_context(model.no_sync())
-    return stack
+# ---------------------------------------------------------------------------------------------
+# 7. Metrics and logging
+# ---------------------------------------------------------------------------------------------
+
+
+def mean_metrics(dicts: list[dict[str, float | torch.Tensor]]) -> dict[str, float | torch.Tensor]:
+    """Average each key over the dicts that have it (e.g. per-micro-batch metrics of a step)."""
+    keys = dict.fromkeys(key for d in dicts for key in d)
+    return {key: sum(d[key] for d in dicts if key in d) / sum(key in d for d in dicts) for key in keys}
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of x over the positions where mask is 1 (0 when there are none), without gradient."""
+    return ((x * mask).sum() / mask.sum().clamp(min=1)).detach()
+
+
+def rollout_metrics(rewards: torch.Tensor, components: dict[str, torch.Tensor], rollout) -> dict[str, torch.Tensor]:
+    """reward/mean, /std and each component's mean, and response/length_mean and /truncated_frac."""
+    lengths = rollout.response_mask.sum(-1)
+    return {"reward/mean": rewards.mean(), "reward/std": rewards.std(),
+            **{f"reward/{name}": value.mean() for name, value in components.items()},
+            "response/length_mean": lengths.mean(), "response/truncated_frac": rollout.truncated.float().mean()}
+
+
+def perf_metrics(times: dict[str, float], step_start: float, rollout, device: torch.device
+                 ) -> dict[str, float | torch.Tensor]:
+    """perf/step_s, perf/<name>_s for each timed part, perf/tokens_per_s (this rank's response tokens times
+    the ranks: all_reduce_mean makes it the whole step's) and perf/peak_mem_gb."""
+    step_s = time.perf_counter() - step_start
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    return {"perf/step_s": step_s, **{f"perf/{name}_s": seconds for name, seconds in times.items()},
+            "perf/tokens_per_s": rollout.response_mask.sum() * world_size / step_s,
+            "perf/peak_mem_gb": peak_memory_gb(device)}
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak accelerator memory allocated, or this process's peak resident memory on CPU."""
+    return (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()) / 2**30
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory: /proc's VmHWM where there is one (Linux carries `ru_maxrss` over
+    fork and exec, so a process started by a larger one would report the other's peak)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024  # kB
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux, bytes on macOS: rough
 
 
 @contextlib.contextmanager
@@ -582,3 +1191,623 @@ def timed(seconds: dict[str, float], name: str):
     start = time.perf_counter()
     yield
     seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+class Logger:
+    """One line per step on stdout, every metric as JSON lines in `<run_dir>/metrics.jsonl` (NaN and inf as
+    null, so every line is valid JSON), TensorBoard when installed, Weights & Biases with `--track`. A
+    no-op on ranks other than 0."""
+
+    SHOWN = ("reward/mean", "eval/accuracy", "eval/accuracy_greedy", "loss/policy", "policy/clipfrac", "perf/step_s")
+
+    def __init__(self, run_dir: Path, config: dict, rank: int, track: bool = False, num_steps: int | None = None):
+        self.enabled, self.num_steps, self.start, self.first_step = rank == 0, num_steps, time.perf_counter(), None
+        self.wandb = self.tensorboard = None
+        if not self.enabled:
+            return
+        if track:
+            try:
+                import wandb
+            except ImportError:
+                raise UsageError("--track needs wandb: pip install wandb") from None
+            self.wandb = wandb.init(name=run_dir.name, config=config)
+        replace_file(run_dir / "config.json", json.dumps(recorded(config), indent=2, default=str))
+        self.file = open_to_append(run_dir / "metrics.jsonl")  # a resumed run appends (claim_run_dir cut it back)
+        with contextlib.suppress(ImportError):
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(run_dir))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in metrics.items()}
+        self.file.write(json.dumps({"step": step, **finite}, allow_nan=False) + "\n")
+        self.file.flush()
+        shown = " | ".join(f"{k} {metrics[k]:.4g}" for k in self.SHOWN if k in metrics)
+        progress = ""
+        if self.num_steps is not None:  # from the mean time of the steps this process ran
+            self.first_step = step if self.first_step is None else self.first_step
+            elapsed, left = time.perf_counter() - self.start, self.num_steps - step - 1
+            done = step + 1 - self.first_step
+            eta = f", ETA {datetime.timedelta(seconds=round(elapsed / done * left))}" if left > 0 else ""
+            progress = f"/{self.num_steps}"
+            shown += f" | {datetime.timedelta(seconds=round(elapsed))} elapsed{eta}"
+        print(f"step {step:>4}{progress} | {shown}", flush=True)
+        for key, value in metrics.items() if self.tensorboard else ():
+            self.tensorboard.add_scalar(key, value, step)
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.file.close()
+            for sink in (self.tensorboard, self.wandb):
+                if sink:
+                    sink.close() if sink is self.tensorboard else sink.finish()
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. Run folder
+# ---------------------------------------------------------------------------------------------
+
+CHECKPOINT_INFO = "checkpoint.json"  # in every checkpoint folder: the file, step, ranks and flags that wrote it
+TRAINING_STATE = "training_state"  # the resumable state: torch.distributed.checkpoint's safetensors shards
+RUN_LOCK = ".run.lock"  # in every run folder; held (fcntl) by the process that writes into the folder
+NOT_COMPARED = ("resume", "run_name", "output_dir")  # flags that differ between a run and its resumption
+_HELD_LOCKS: dict[str, int] = {}  # run folder -> open lock file: kept open for the life of the process
+
+
+def prepare_run_dir(run_info: dict, rank: int) -> tuple[Path, Path | None]:
+    """(the run's folder, the checkpoint to resume from or None), the same on every rank; nothing is written
+    yet (`claim_run_dir` does, once the models are loaded). run_info: {"algorithm": the file's name,
+    "config": asdict(args)}. A run writes to <output-dir>/<run-name>, with one exception: `--resume
+    <run>/step_N` without --run-name goes on in <run> when step_N is its newest checkpoint. Any other
+    resume starts a new run folder. A checkpoint of another file, model or number of ranks stops here."""
+    return _decided_on_rank_0(_find_run_dir, rank, run_info)
+
+
+def claim_run_dir(run_dir: Path, checkpoint: Path | None, rank: int) -> None:
+    """Take run_dir for this process, before it writes anything there: a new folder is created with its lock
+    held (an atomic rename), an existing one is locked (fcntl: released by the OS when the process ends,
+    even killed), so a second run with the same name stops here. Its metrics.jsonl then holds what the run
+    logged before the checkpoint's step (a new folder: the checkpoint's run's); a metrics file that held
+    more is kept as metrics.jsonl.old."""
+    _decided_on_rank_0(_claim_run_dir, rank, run_dir, checkpoint)
+    sys.excepthook = functools.partial(_explain_interrupt, sys.excepthook, run_dir, rank)
+
+
+def _explain_interrupt(excepthook, run_dir: Path, rank: int, kind, value, traceback) -> None:
+    """Ctrl-C: instead of a traceback (of every rank), one line from rank 0 on how to go on."""
+    if not issubclass(kind, KeyboardInterrupt):
+        return excepthook(kind, value, traceback)
+    if rank == 0:
+        print(f"\nstopped (Ctrl-C). {resume_hint(run_dir)}", file=sys.stderr, flush=True)
+
+
+def resume_hint(run_dir: Path) -> str:
+    """Where the run can go on from, and the command that does it (this process's own flags)."""
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        return f"No checkpoint was written (see --save-every): the run cannot be resumed. Its metrics are in {run_dir}."
+    argv, kept = sys.argv[1:], []
+    replaced = ("--resume", "--run-name", "--output-dir", "--run_name", "--output_dir")
+    for i, arg in enumerate(argv):
+        if not (arg in replaced or arg.startswith(tuple(f"{flag}=" for flag in replaced))
+                or (i > 0 and argv[i - 1] in replaced)):
+            kept.append(arg)
+    world_size, nodes = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("GROUP_WORLD_SIZE", 1))
+    launcher = ["python"] if world_size == 1 else ["torchrun", f"--nproc_per_node={world_size}"]
+    if nodes > 1:  # torchrun's agents, one per node
+        launcher = ["torchrun", f"--nnodes={nodes}", f"--nproc_per_node={os.environ['LOCAL_WORLD_SIZE']}"]
+    command = shlex.join([*launcher, sys.argv[0], *kept, "--output-dir", str(run_dir.parent), "--run-name",
+                          run_dir.name, "--resume", "latest"])
+    where = " (on every node, with its rendezvous flags)" if nodes > 1 else ""
+    return f"Last checkpoint: {checkpoint}. Go on from it with: {command}{where}"
+
+
+def _decided_on_rank_0(fn, rank: int, *args):
+    """fn(*args) on rank 0, its result (or its usage error, raised) on every rank."""
+    result, error = None, None
+    if rank == 0:
+        try:
+            result = fn(*args)
+        except UsageError as stop:
+            error = str(stop)
+    if dist.is_initialized():
+        box = [(result, error)]
+        dist.broadcast_object_list(box, src=0)
+        result, error = box[0]
+    if error:
+        raise UsageError(error)
+    return result
+
+
+def _find_run_dir(run_info: dict) -> tuple[Path, Path | None]:
+    config = run_info["config"]
+    resume, run_name, output = config["resume"], config["run_name"], Path(config["output_dir"])
+    run_dir = output / (run_name or f"{Path(run_info['algorithm']).stem}__{config['seed']}__{int(time.time())}")
+    checkpoint = None
+    if resume == "latest":
+        if run_name is None:
+            raise UsageError("--resume latest continues the run named by --run-name: pass it.")
+        checkpoint = latest_checkpoint(run_dir, strict=True)
+        if checkpoint is None:
+            again = ("Run it again without --resume: it starts over in that folder (what it logged is kept aside)."
+                     if _is_run_dir(run_dir) and not _has_checkpoints(run_dir) else
+                     "Pass the --run-name of the run to continue (its checkpoints are written every --save-every "
+                     "steps), or a checkpoint folder.")
+            raise UsageError(f"--resume latest: no checkpoint under {run_dir}. {again}")
+    elif resume:
+        checkpoint = Path(resume)
+        if not _read_checkpoint_info(checkpoint).get("resumable"):
+            raise UsageError(f"--resume {resume}: not a resumable checkpoint (no {CHECKPOINT_INFO} of a step "
+                             f"checkpoint). Pass a <run>/step_N folder written by --save-every, or 'latest' with "
+                             "--run-name.")
+        if run_name is None and _continues(checkpoint.parent, checkpoint):
+            run_dir = checkpoint.parent
+    if checkpoint is not None:
+        _check_same_run(checkpoint, run_info)
+        _metrics_lines(checkpoint.parent)  # a damaged line stops here, before anything is loaded
+    _refuse_links(run_dir)
+    if not _continues(run_dir, checkpoint):
+        _can_start_in(run_dir)
+    return run_dir, checkpoint
+
+
+def _continues(run_dir: Path, checkpoint: Path | None) -> bool:
+    """Whether a resume from `checkpoint` goes on in run_dir: the newest checkpoint of that run folder."""
+    return (checkpoint is not None and _is_run_dir(run_dir) and checkpoint.parent.resolve() == run_dir.resolve()
+            and latest_checkpoint(run_dir) == checkpoint.parent / checkpoint.name)
+
+
+def _can_start_in(run_dir: Path) -> None:
+    """Stop unless a new run may write into run_dir: a new or empty folder, or one of this project's runs
+    (it holds the run lock) with no checkpoint and no final/ (a start that failed, or a run killed before
+    its first checkpoint)."""
+    if not os.path.lexists(run_dir):
+        return
+    if not run_dir.is_dir():
+        raise UsageError(f"--run-name {run_dir.name}: {run_dir} is a file, not a run folder. Choose another --run-name "
+                         "or --output-dir.")
+    names = sorted(p.name for p in run_dir.iterdir())
+    if names and not _is_run_dir(run_dir):
+        raise UsageError(f"--run-name {run_dir.name}: {run_dir} holds files that are not a run's of this project "
+                         f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}). Choose another --run-name or "
+                         "--output-dir.")
+    if _has_checkpoints(run_dir):
+        go_on = "Continue it with --resume latest, or choose" if latest_checkpoint(run_dir) else "Choose"
+        raise UsageError(f"--run-name {run_dir.name}: {run_dir} already holds a run. {go_on} another --run-name or "
+                         "--output-dir.")
+
+
+def _is_run_dir(path: Path) -> bool:
+    return os.path.lexists(path / RUN_LOCK)
+
+
+def _has_checkpoints(run_dir: Path) -> bool:
+    return bool(_step_folders(run_dir)) or os.path.lexists(run_dir / "final")
+
+
+def _refuse_links(run_dir: Path) -> None:
+    """Stop when run_dir holds a symbolic link: a write through it would land wherever it points."""
+    for path in run_dir.iterdir() if run_dir.is_dir() else ():
+        if path.is_symlink():
+            raise UsageError(f"{path} is a symbolic link: a run folder holds none (a write through it would land "
+                             "elsewhere). Remove it, or choose another --run-name.")
+
+
+def _claim_run_dir(run_dir: Path, checkpoint: Path | None) -> None:
+    if not _continues(run_dir, checkpoint):
+        _can_start_in(run_dir)  # before the lock is created in it: a folder of someone else's stays as it was
+    _lock(run_dir)
+    _refuse_links(run_dir)  # checked again under the lock: another run may have written since start-up
+    if not _continues(run_dir, checkpoint):
+        _can_start_in(run_dir)
+    step = _read_checkpoint_info(checkpoint)["step"] if checkpoint else 0
+    kept = "".join(line for n, line in _metrics_lines(checkpoint.parent) if n < step) if checkpoint else ""
+    metrics = run_dir / "metrics.jsonl"
+    if (metrics.read_bytes() if metrics.exists() else b"") != kept.encode():
+        try:
+            aside = replace_file(metrics, kept, keep_old=True)
+        except OSError as error:
+            raise UsageError(f"{metrics}: cannot write the lines before step {step} ({error.strerror}: "
+                             f"{error.filename}). Nothing was changed: free some space and run again.") from None
+        if aside:
+            print(f"{run_dir}: this run logs from step {step}; the metrics that were there are kept in {aside}",
+                  flush=True)
+
+
+def _lock(run_dir: Path) -> None:
+    """Hold run_dir's lock for the rest of this process (released by the OS when it ends, even killed)."""
+    key = str(run_dir.resolve())
+    if key in _HELD_LOCKS:
+        return
+    try:
+        if not run_dir.exists():  # create it with the lock already held: there is no moment it is unclaimed
+            run_dir.parent.mkdir(parents=True, exist_ok=True)
+            claim = run_dir.with_name(f".{run_dir.name}.claim-{os.getpid()}")
+            claim.mkdir()
+            fd = os.open(claim / RUN_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:
+                claim.rename(run_dir)
+                _HELD_LOCKS[key] = fd
+                return
+            except OSError:  # another run created it first: that run's lock decides below
+                os.close(fd)
+                shutil.rmtree(claim)
+        fd = os.open(run_dir / RUN_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            _refuse_links(run_dir)
+        raise UsageError(f"--output-dir {run_dir.parent}: cannot create the run folder {run_dir}: "
+                         f"{error.strerror or error}. Choose a writable --output-dir.") from None
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        os.close(fd)
+        if isinstance(error, (BlockingIOError, PermissionError)):
+            raise UsageError(f"--run-name {run_dir.name}: {run_dir} is in use by another run that is still going (it "
+                             "holds the folder's lock). Wait for it to end, or choose another --run-name.") from None
+        raise UsageError(f"--output-dir {run_dir.parent}: cannot lock {run_dir / RUN_LOCK} ({error.strerror}), so two "
+                         "runs could write into one folder. Use an --output-dir on a file system with locks.") from None
+    _HELD_LOCKS[key] = fd
+
+
+def open_to_append(path: Path):
+    """A file of the run folder opened to append, never through a link: the path must be a plain file of its
+    own (not a symbolic link, nor a hard link that another name shares) or not exist yet."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    status = os.fstat(fd)
+    if not stat.S_ISREG(status.st_mode) or status.st_nlink > 1:
+        os.close(fd)
+        raise UsageError(f"{path} is not a plain file of its own (a link, or a device): a run folder holds none. "
+                         "Remove it, or choose another --run-name.")
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
+def replace_file(path: Path, text: str, keep_old: bool = False) -> Path | None:
+    """Write `text` to a new file beside `path` and rename it to `path`: what was there (even a link) is
+    replaced, never written through, and a failed write (a full disk) leaves it as it was. With `keep_old`
+    a non-empty file that was there is renamed to `<path>.old` first; returns where it went."""
+    tmp, aside = path.with_name(f".{path.name}.tmp-{os.getpid()}"), None
+    try:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w",
+                       encoding="utf-8") as file:
+            file.write(text)
+        if keep_old and path.is_file() and path.stat().st_size:
+            aside = _move_aside(path)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return aside
+
+
+def _move_aside(path: Path) -> Path:
+    """Rename `path` to the first of `<path>.old`, `<path>.old.2`, ... that does not exist yet."""
+    k, aside = 1, path.with_name(f"{path.name}.old")
+    while os.path.lexists(aside):
+        k, aside = k + 1, path.with_name(f"{path.name}.old.{k + 1}")
+    path.rename(aside)
+    return aside
+
+
+def recorded(config: dict) -> dict:
+    """The flags as config.json and checkpoint.json record them: a --model inside this repository (the default,
+    tiny_model/) by its path relative to the repository, so that a copied or moved repository resumes its runs."""
+    model = Path(config.get("model", "")).expanduser()
+    if model.is_absolute() and model.resolve().is_relative_to(ROOT):
+        return {**config, "model": str(model.resolve().relative_to(ROOT))}
+    return config
+
+
+def _read_checkpoint_info(path: Path, strict: bool = True) -> dict:
+    """The checkpoint.json of a checkpoint folder ({} when there is none); a damaged one stops the run naming
+    what is wrong with it, or without `strict` reads as {}."""
+    path, fields = Path(path), {"algorithm": str, "step": int, "world_size": int, "resumable": bool, "config": dict}
+    file = path / CHECKPOINT_INFO
+    if not file.is_file():
+        return {}
+    try:
+        info = json.loads(file.read_bytes().decode())
+    except (OSError, ValueError, RecursionError):
+        info = None
+    if not isinstance(info, dict):
+        problem = "not a JSON object"
+    else:
+        problem = next((f"{key!r} missing, or not a {kind.__name__}" for key, kind in fields.items()
+                        if not isinstance(info.get(key), kind) or (kind is int and isinstance(info[key], bool))), None)
+        if problem is None and not isinstance(info["config"].get("model"), str):
+            problem = "its config has no 'model'"
+        elif problem is None and re.fullmatch(r"step_\d+", path.name) and path.name != f"step_{info['step']}":
+            problem = f"step {info['step']} in the folder {path.name}"
+    if problem and strict:
+        raise UsageError(f"{file} is damaged ({problem}). Resume from another checkpoint (--resume <run>/step_N), "
+                         f"or move {path.name} out of the run folder.")
+    return {} if problem else info
+
+
+def latest_checkpoint(run_dir: Path, strict: bool = False) -> Path | None:
+    """The resumable checkpoint of the highest step in run_dir (never a half-written `step_N.tmp`). A damaged
+    checkpoint.json is passed over, or with `strict` (what --resume latest reads) stops the run naming it."""
+    found = [p for p in _step_folders(run_dir) if _read_checkpoint_info(p, strict).get("resumable")]
+    return found[-1] if found else None
+
+
+def _step_folders(run_dir: Path) -> list[Path]:
+    """run_dir's step_N folders (never step_N.tmp), by step."""
+    found = [p for p in Path(run_dir).glob("step_*") if re.fullmatch(r"step_\d+", p.name)]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def _metrics_lines(run_dir: Path) -> list[tuple[int, str]]:
+    """(step, line) for each complete line of run_dir's metrics.jsonl (a last line cut short by a crash is left
+    out), or a stop naming a line that this project does not write."""
+    path, lines = run_dir / "metrics.jsonl", []
+    for number, raw in enumerate(path.read_bytes().split(b"\n")[:-1] if path.is_file() else [], 1):
+        with contextlib.suppress(ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+            record = json.loads(raw.decode())
+            if isinstance(record, dict) and type(record.get("step")) is int and record["step"] >= 0:
+                lines.append((record["step"], raw.decode() + "\n"))
+                continue
+        raise UsageError(f"{path}:{number}: not a line this project writes (a JSON object with an integer 'step'). "
+                         f"Delete the line, or move {path.name} out of the folder (the checkpoints do not need it).")
+    return lines
+
+
+def _check_same_run(checkpoint: Path, run_info: dict) -> None:
+    """Stop when the checkpoint was written by another algorithm file, model or number of ranks; print the
+    other flags that changed (escaped: the values come from a file)."""
+    saved, config = _read_checkpoint_info(checkpoint), recorded(run_info["config"])
+    saved_config, shown = recorded(saved["config"]), lambda text: text if text.isprintable() else repr(text)
+    if saved["algorithm"] != run_info["algorithm"]:
+        raise UsageError(f"--resume {checkpoint}: written by {shown(saved['algorithm'])}, resumed by "
+                         f"{run_info['algorithm']}. Resume it with {shown(saved['algorithm'])}, or start "
+                         f"{run_info['algorithm']} from its weights with --model {checkpoint}.")
+    if saved_config["model"] != config["model"]:
+        trained = saved_config["model"]  # as recorded: one inside this repository relative to it
+        trained = str(ROOT / trained) if (ROOT / trained).exists() else shown(trained)
+        raise UsageError(f"--resume {checkpoint}: trained from --model {trained}, resumed with --model "
+                         f"{run_info['config']['model']}. Resume with --model {trained}.")
+    if saved["world_size"] != config["world_size"]:
+        raise UsageError(f"--resume {checkpoint}: written by {saved['world_size']} rank(s), resumed on "
+                         f"{config['world_size']}. Resume with --nproc_per_node={saved['world_size']} (each rank's "
+                         f"sampling stream and algorithm state are its own), or start a new run from its weights "
+                         f"with --model {checkpoint}.")
+    changed = [f"--{key.replace('_', '-')} {saved_config[key]!r} -> {value!r}" for key, value in config.items()
+               if key not in NOT_COMPARED and key in saved_config and saved_config[key] != value]
+    if changed:
+        print(f"--resume {checkpoint}: flags changed since the checkpoint: {', '.join(changed)}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. Checkpoints
+# ---------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(path: Path, modules: dict[str, torch.nn.Module], tokenizer, rank: int, run_info: dict,
+                    optimizer=None, step: int = 0, extra: dict | None = None, keep: int = 0) -> None:
+    """Write a checkpoint folder; call on every rank. It holds:
+
+    - the policy (modules["policy"]) and tokenizer in `save_pretrained` format, so it loads anywhere with
+      `from_pretrained` (under FSDP the weights are gathered to rank 0's CPU memory for this);
+    - checkpoint.json: the algorithm file, the step, the number of ranks and every flag (run_info);
+    - with an optimizer, the resumable state: every module's weights and the optimizer state in
+      training_state/, written by torch.distributed.checkpoint as safetensors (each rank writes only its
+      own shards), and rank_<r>.safetensors with each rank's RNG states and algorithm state `extra`.
+
+    Everything is written into `<path>.tmp`, fsync'd, and renamed to `path` when every rank has written its
+    part, so a crash never leaves a partial folder under `path`. A failed write (disk full, permissions) or a
+    Ctrl-C removes the .tmp folder; earlier checkpoints are untouched. A folder already at `path` is moved
+    aside, never deleted. With `keep` > 0, only the newest `keep` step checkpoints are kept."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        _write_checkpoint(path, tmp, modules, tokenizer, rank, run_info, optimizer, step, extra)
+    except KeyboardInterrupt:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if rank == 0 and keep > 0:
+        for old in [p for p in _step_folders(path.parent) if _read_checkpoint_info(p, strict=False)][:-keep]:
+            try:
+                shutil.rmtree(old)
+            except OSError as error:  # rank 0 alone: a warning, never a stop that would leave the others waiting
+                print(f"warning: --keep-checkpoints {keep}: could not remove {old} ({error.strerror})", flush=True)
+
+
+def _write_checkpoint(path: Path, tmp: Path, modules: dict[str, torch.nn.Module], tokenizer, rank: int,
+                      run_info: dict, optimizer, step: int, extra: dict | None) -> None:
+    policy, distributed, error = modules["policy"], dist.is_initialized(), None
+    if rank == 0:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)  # a .tmp folder is always this project's, left by a crash
+            tmp.mkdir(parents=True)
+        except OSError as exc:
+            error = exc
+    _stop_if_any_failed(error, path, tmp, rank)  # the folder exists before any rank writes into it
+    try:
+        if optimizer is not None:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                state = _training_state(modules, optimizer)
+                # A weight and its optimizer state in a file of their own: safetensors builds a whole file in
+                # memory before writing it, so a save needs twice the largest weight's state, not the rank's.
+                files = {f"model.{name}": i for i, name in enumerate(state["model"], 1)}
+                files |= {f"optimizer.{name}.{key}": files.get(f"model.{name}", len(files) + 1)
+                          for name, values in state["optimizer"].items() for key in values}
+                writer = HuggingFaceStorageWriter(str(tmp / TRAINING_STATE), files, save_distributed=distributed)
+                dcp.save(state, storage_writer=writer, no_dist=not distributed)
+            cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+            tensors, own = {}, {"rng": torch.get_rng_state(), "cuda_rng": cuda_rng, "python_rng": random.getstate(),
+                                "extra": extra or {}}
+            plain = json.dumps(_flatten(own, tensors, "own"))  # the tensors go into `tensors`, the rest stays
+            (tmp / f"rank_{rank}.safetensors").write_bytes(safetensors_bytes(tensors, {"state": plain}))
+    except (Exception, dcp.CheckpointException) as exc:  # reported with its path below, on every rank
+        error = exc
+    weights = None
+    if isinstance(unwrap(policy), FSDPModule):  # collective: every rank takes part, rank 0 receives the weights
+        weights = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0 and error is None:
+        try:
+            with transformers_quiet():
+                unwrap(policy).save_pretrained(tmp, state_dict=weights)
+            tokenizer.save_pretrained(tmp)
+            info = {"algorithm": run_info["algorithm"], "step": step, "resumable": optimizer is not None,
+                    "world_size": dist.get_world_size() if distributed else 1, "config": recorded(run_info["config"])}
+            (tmp / CHECKPOINT_INFO).write_text(json.dumps(info, indent=2, default=str))
+            for file in [*tmp.rglob("*"), tmp]:  # flushed to disk, so that the rename that publishes it is durable
+                fd = os.open(file, os.O_RDONLY)
+                os.fsync(fd)
+                os.close(fd)
+        except Exception as exc:
+            error = exc
+    del weights
+    _stop_if_any_failed(error, path, tmp, rank)  # every rank has written its part
+    if rank == 0:
+        try:
+            if path.exists():
+                print(f"moved the earlier {path} aside to {_move_aside(path)}", flush=True)
+            tmp.rename(path)
+        except OSError as exc:
+            error = exc
+    _stop_if_any_failed(error, path, tmp, rank)
+
+
+def _stop_if_any_failed(error: BaseException | None, path: Path, tmp: Path, rank: int) -> None:
+    """Collective: when a rank's write failed, every rank stops with the path and each failed rank's cause,
+    and rank 0 removes the .tmp folder. A Ctrl-C that the writer wrapped (DCP in a CheckpointException,
+    a zip writer in the error it raises as it closes) is raised as the KeyboardInterrupt it is."""
+    if error is not None and any(isinstance(e, KeyboardInterrupt) for e in _chain(error)):
+        raise KeyboardInterrupt from error
+    errors = [None if error is None else _write_error(error)]
+    if dist.is_initialized():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, None if error is None else _write_error(error))
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if not failed:
+        return
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    where = "; ".join(f"rank {r}: {e}" for r, e in failed) if dist.is_initialized() else failed[0][1]
+    previous = latest_checkpoint(path.parent) if path.parent.exists() else None
+    kept = f"the last complete checkpoint, {previous}, is untouched" if previous else "there is no earlier checkpoint"
+    raise UsageError(f"could not write the checkpoint {path} ({where}). Removed {tmp.name}; {kept}.")
+
+
+def _chain(error: BaseException):
+    """The failure (inside a CheckpointException: DCP gathers each rank's), then its causes and contexts."""
+    if isinstance(error, dcp.CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    while error is not None:
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def _write_error(error: BaseException) -> str:
+    """The cause of a failed write in one line: the OS error and file when there is one, anywhere in the chain."""
+    for seen in _chain(error):
+        if isinstance(seen, OSError) and seen.strerror:
+            return f"{seen.strerror}: {seen.filename}" if seen.filename else seen.strerror
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[-1] if text else ''}"
+
+
+def _training_state(modules: dict[str, torch.nn.Module], optimizer) -> dict:
+    """The resumable state as DCP writes it, tensors only: every module's weights, each rank's own (FSDP: its
+    shards, as DTensors), a weight tied to another (an LM head tied to the embeddings) once; and the
+    optimizer's per-parameter state (its hyper-parameters are the flags')."""
+    model = torch.nn.ModuleDict(modules)  # names the tensors "policy.<...>", "critic.<...>"
+    weights, seen = {}, set()
+    for name, tensor in get_model_state_dict(model).items():
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        where = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape))
+        if not (local.numel() and where in seen):  # tied: restored through the tensor it shares
+            weights[name] = tensor
+        seen.add(where)
+    return {"model": weights, "optimizer": get_optimizer_state_dict(model, optimizer)["state"]}
+
+
+def _flatten(value, tensors: dict, key: str):
+    """`value` (numbers, text, tensors, Rollouts, in lists and dicts) as JSON, each tensor replaced by
+    {"tensor": its key in `tensors`}; `_unflatten` reverses it."""
+    if isinstance(value, torch.Tensor):
+        tensors[key] = value.detach().cpu().clone()
+        return {"tensor": key}
+    if isinstance(value, Rollout):
+        return {"rollout": _flatten(dict(vars(value)), tensors, key)}
+    if isinstance(value, dict):
+        return {"dict": {k: _flatten(v, tensors, f"{key}.{k}") for k, v in value.items()}}
+    if isinstance(value, (list, tuple)):
+        return [_flatten(v, tensors, f"{key}.{i}") for i, v in enumerate(value)]
+    return value
+
+
+def _unflatten(value, tensors: dict):
+    if isinstance(value, list):
+        return [_unflatten(v, tensors) for v in value]
+    if not isinstance(value, dict):
+        return value
+    (kind, inner), = value.items()
+    if kind == "tensor":
+        return tensors[inner]
+    if kind == "rollout":
+        return Rollout(**_unflatten(inner, tensors))
+    return {k: _unflatten(v, tensors) for k, v in inner.items()}
+
+
+def _read_header(file: Path, where: str) -> dict:
+    """The metadata in a safetensors file's header, or a ValueError naming the file and what is wrong."""
+    if file.is_symlink() or not file.is_file():
+        raise ValueError(f"{where}/{file.name}: a link, or not a plain file")
+    try:
+        with safe_open(file, "pt") as opened:
+            return opened.metadata() or {}
+    except Exception as error:  # safetensors' own error type: a 0-byte, truncated or other file
+        raise ValueError(f"{where}/{file.name}: not a complete safetensors file ({error})") from None
+
+
+def load_checkpoint(path: Path, modules: dict[str, torch.nn.Module], optimizer, rank: int) -> tuple[int, dict]:
+    """Restore what `save_checkpoint` wrote: every module's weights and the optimizer state in place (each
+    rank reads only its own shards), and this rank's RNG state. Returns (the step to continue from, this
+    rank's algorithm state). Nothing in the folder is unpickled. The number of ranks must be the one that
+    saved: DCP could reshard the weights and optimizer state, but each rank's sampling stream and algorithm
+    state (GVPO's replayed groups) have no counterpart on another count, and a resumed run is meant to be
+    the run that stopped, bitwise. To go on with other hardware, start a new run with `--model <run>/step_N`."""
+    model, state, folder = torch.nn.ModuleDict(modules), _training_state(modules, optimizer), path / TRAINING_STATE
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        if (folder / ".metadata").exists():
+            raise ValueError("it was written in torch.distributed.checkpoint's pickled format, which these files no "
+                             "longer read. Start a new run from its weights with --model <that checkpoint>.")
+        for file in sorted(folder.iterdir()):  # also DCP's index, which is JSON: a link or not a file stops
+            if file.suffix == ".safetensors" or file.is_symlink() or not file.is_file():
+                _read_header(file, folder.name)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=not dist.is_initialized())
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))  # strict: tied weights
+        groups = get_optimizer_state_dict(model, optimizer)["param_groups"]  # the flags' learning rate, ...
+        set_optimizer_state_dict(model, optimizer, {"state": state["optimizer"], "param_groups": groups})
+        file = path / f"rank_{rank}.safetensors"
+        plain = json.loads(_read_header(file, path.name).get("state", "null"))
+        with safe_open(file, "pt") as opened:  # the algorithm's tensors back on the device, the RNG states on CPU
+            tensors = {key: opened.get_tensor(key).to(device if key.startswith("own.extra.") else "cpu")
+                       for key in opened.keys()}
+        own = _unflatten(plain, tensors)
+        if not isinstance(own, dict) or not {"rng", "cuda_rng", "python_rng", "extra"} <= own.keys():
+            raise ValueError(f"{file.name}: not the RNG and algorithm state this project writes")
+    except (Exception, dcp.CheckpointException) as error:  # a damaged file, a shape that does not fit, ...
+        error = next(_chain(error))
+        text = " ".join(str(error).split()) or type(error).__name__
+        raise UsageError(f"--resume {path}: cannot restore it: {text if len(text) < 400 else text[:400] + ' ...'}"
+                         ) from None
+    torch.set_rng_state(own["rng"])
+    version, internal, gauss = own["python_rng"]
+    random.setstate((version, tuple(internal), gauss))  # unused by these files, kept for code you add
+    if own["cuda_rng"] is not None:
+        torch.cuda.set_rng_state(own["cuda_rng"])
+    return _read_checkpoint_info(path)["step"], own["extra"]

@@ -47,31 +47,46 @@ import tyro
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import (
+    DEFAULT_MODEL,
+    Logger,
     UsageError,
     all_reduce_mean,
     cat_rollouts,
     check_flags,
+    claim_run_dir,
     cleanup_distributed,
     cli,
+    clip_grad_norm,
+    evaluate,
     exact_div,
+    fit_prompts,
+    format_prompt,
     generate,
     get_logprobs,
+    load_checkpoint,
+    load_data,
+    load_model,
+    load_reward_fn,
+    load_tokenizer,
     masked_mean,
     mean_metrics,
+    model_positions,
     no_sync,
     perf_metrics,
+    prepare_run_dir,
     print0,
+    prompt_batch,
     require,
+    resume_hint,
     rollout_logprobs,
     rollout_metrics,
     sampler_logprob_gap,
+    save_checkpoint,
+    score,
     setup_distributed,
+    shard_model,
     timed,
 )
-from data import fit_prompts, format_prompt, load_data, model_positions, prompt_batch
-from models import DEFAULT_MODEL, clip_grad_norm, load_model, load_tokenizer, shard_model
-from rewards import evaluate, load_reward_fn, score
-from runs import Logger, claim_run_dir, load_checkpoint, prepare_run_dir, resume_hint, save_checkpoint
 
 # ---------------------------------------------------------------------------------------------
 # 1. Config

@@ -16,9 +16,7 @@ import tyro
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from common import generate
-from data import builtin_splits, format_prompt
-from rewards import correctness_reward, evaluate
+from common import builtin_splits, correctness_reward, evaluate, format_prompt, generate
 
 # ChatML, as Qwen's chat models write it; `<|im_end|>` ends the assistant's turn and is the EOS token.
 CHAT_TEMPLATE = (

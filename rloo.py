@@ -46,30 +46,45 @@ import tyro
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import (
+    DEFAULT_MODEL,
+    Logger,
     UsageError,
+    all_reduce,
     all_reduce_mean,
-    all_reduce_sum,
     check_flags,
+    claim_run_dir,
     cleanup_distributed,
     cli,
+    clip_grad_norm,
+    evaluate,
+    fit_prompts,
+    format_prompt,
     generate,
     get_logprobs,
+    load_checkpoint,
+    load_data,
+    load_model,
+    load_reward_fn,
+    load_tokenizer,
     masked_mean,
     mean_metrics,
+    model_positions,
     no_sync,
     perf_metrics,
+    prepare_run_dir,
     print0,
+    prompt_batch,
     require,
+    resume_hint,
     rollout_logprobs,
     rollout_metrics,
     sampler_logprob_gap,
+    save_checkpoint,
+    score,
     setup_distributed,
+    shard_model,
     timed,
 )
-from data import fit_prompts, format_prompt, load_data, model_positions, prompt_batch
-from models import DEFAULT_MODEL, clip_grad_norm, load_model, load_tokenizer, shard_model
-from rewards import evaluate, load_reward_fn, score
-from runs import Logger, claim_run_dir, load_checkpoint, prepare_run_dir, resume_hint, save_checkpoint
 
 # ---------------------------------------------------------------------------------------------
 # 1. Config
@@ -350,7 +365,7 @@ def main(args: Args) -> None:
                 for start in range(0, len(b_ids), minibatch_size):  # none when the batch is empty
                     mb_idx = b_order[start : start + minibatch_size].sort().values  # sorted: a group's rows together
                     # --- algorithm: the loss is a mean over the optimizer step's sequences, on every rank ---
-                    num_sequences = all_reduce_sum((b_response_mask[mb_idx].sum(-1) > 0).sum()) / args.world_size
+                    num_sequences = all_reduce((b_response_mask[mb_idx].sum(-1) > 0).sum()) / args.world_size
                     # ---
                     micro_batches = mb_idx.split(args.micro_batch_size)  # a prompt runs once per micro-batch
                     for k, idx in enumerate(micro_batches):

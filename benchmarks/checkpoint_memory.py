@@ -6,7 +6,7 @@ writes and reads only its own shards), not params.
     python -m benchmarks.checkpoint_memory --layers 1 --hidden 64  # tiny (the test)
 
 The script launches itself with torchrun. Each rank builds the model from tiny_model's config with the
-given sizes (random weights, nothing downloaded), shards it with `models.shard_model`, and takes one AdamW
+given sizes (random weights, nothing downloaded), shards it with `common.shard_model`, and takes one AdamW
 step, so the optimizer holds its two moments. Then:
   save      `runs.save_checkpoint` with the optimizer, as --save-every writes a step (on rank 0 this
             includes gathering the weights for the step's `save_pretrained` export);
@@ -71,7 +71,7 @@ def build(args: Args, device):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from models import DEFAULT_MODEL, shard_model
+    from common import DEFAULT_MODEL, shard_model
 
     config = AutoConfig.from_pretrained(DEFAULT_MODEL, num_hidden_layers=args.layers, hidden_size=args.hidden,
                                         intermediate_size=args.intermediate, num_attention_heads=args.hidden // 64,
@@ -89,9 +89,7 @@ def worker(args: Args) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from common import setup_distributed
-    from models import DEFAULT_MODEL, load_tokenizer
-    from runs import load_checkpoint, save_checkpoint
+    from common import DEFAULT_MODEL, load_checkpoint, load_tokenizer, save_checkpoint, setup_distributed
 
     rank, world_size, device = setup_distributed()
     tokenizer = load_tokenizer(DEFAULT_MODEL)

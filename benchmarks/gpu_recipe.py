@@ -39,8 +39,7 @@ import tyro
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config
 
 import grpo
-from common import get_logprobs
-from models import clip_grad_norm
+from common import clip_grad_norm, get_logprobs
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -18,7 +18,7 @@ Both sample at T=1 without top-k or top-p and take 2 updates per rollout on the 
 0.04 and a reference model, learning rate 2e-4, gradient clipping at 1.0. TRL runs with
 `gradient_checkpointing=False` and, on CPU, `bf16=False` (it turns both on by default),
 `loss_type="grpo"`, `num_iterations=2`, the same prompts (`data.format_prompt`, chat template) and
-reward (`rewards.score`); `pip install -r benchmarks/requirements.txt` installs it. On a GPU,
+reward (`common.score`); `pip install -r benchmarks/requirements.txt` installs it. On a GPU,
 benchmarks/gpu_recipe.py runs the same comparison at its own shape (`compare`).
 
 A round is one training step: sampling, scoring, old and reference log-probs, the updates and the
@@ -154,9 +154,7 @@ def trl_worker(conn, model: str, shape: "Shape", rounds: int, seed: int) -> None
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from data import builtin_splits, format_prompt
-    from models import load_tokenizer
-    from rewards import score
+    from common import builtin_splits, format_prompt, load_tokenizer, score
 
     tokenizer = load_tokenizer(model, "--model")
     train_set, _ = builtin_splits()

@@ -60,9 +60,7 @@ def mixed_dataset(tmp_path_factory) -> Path:
     import torch
     from pinned_run import pinned_generate
 
-    from data import format_prompt
-    from models import DEFAULT_MODEL, load_model, load_tokenizer
-    from rewards import correctness_reward
+    from common import DEFAULT_MODEL, correctness_reward, format_prompt, load_model, load_tokenizer
 
     tokenizer = load_tokenizer(DEFAULT_MODEL)
     model = load_model(DEFAULT_MODEL, "float32", torch.device("cpu"), tokenizer)

@@ -11,9 +11,16 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import cleanup_distributed, generate, setup_distributed
-from data import format_prompt
-from models import DEFAULT_MODEL, load_model, load_tokenizer, shard_model
+from common import (
+    DEFAULT_MODEL,
+    cleanup_distributed,
+    format_prompt,
+    generate,
+    load_model,
+    load_tokenizer,
+    setup_distributed,
+    shard_model,
+)
 
 
 def main() -> None:

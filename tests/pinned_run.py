@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the algorithm files and common.py
 from common import cat_rollouts, cleanup_distributed, cli  # noqa: E402
-from common import generate as real_generate  # noqa: E402
+from common import generate as real_generate
 
 
 def pinned_generate(model, tokenizer, prompts, group_size, max_new_tokens, temperature, greedy=False):

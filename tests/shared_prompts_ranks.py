@@ -14,9 +14,19 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import cleanup_distributed, generate, get_logprobs, setup_distributed, unwrap  # noqa: E402
-from data import format_prompt  # noqa: E402
-from models import DEFAULT_MODEL, clip_grad_norm, load_model, load_tokenizer, shard_model  # noqa: E402
+from common import (  # noqa: E402
+    DEFAULT_MODEL,
+    cleanup_distributed,
+    clip_grad_norm,
+    format_prompt,
+    generate,
+    get_logprobs,
+    load_model,
+    load_tokenizer,
+    setup_distributed,
+    shard_model,
+    unwrap,
+)
 
 PROMPTS = [["1+2", "1+2", "45+67", "45+67"], ["1+2", "45+67", "9+99", "23+5"]]  # rank 0 shares, rank 1 does not
 

@@ -16,10 +16,8 @@ from pathlib import Path
 
 import pytest
 
-import data
+import common
 import grpo
-import models
-import runs
 from common import UsageError, cli
 from conftest import ROOT, read_metrics, run
 
@@ -109,8 +107,8 @@ LATER = {
                 "cannot restore it: training_state/<shard>: a link"),
     "shard": ("a 0-byte or raw-pickle shard",
               "cannot restore it: training_state/<shard>: not a complete safetensors file"),
-    "full": ("a full disk while `--resume <run>/step_2` sets steps 4 and 6 aside",
-             "cannot set aside what the run wrote after step 2 (No space left on device"),
+    "full": ("a full disk while `--resume latest` cuts `metrics.jsonl` back to the checkpoint's step",
+             "metrics.jsonl: cannot write the lines before step 4 (No space left on device"),
     "exit": ("a `--reward-fn` that calls `sys.exit(0)`",
              "called sys.exit(0). A reward function must return its values"),
 }
@@ -122,7 +120,7 @@ HANDLED = [
     ("a `json.py` (or any module) in the working directory of a run on math data",
      "not imported: the math grader's process runs with `python -I` (isolated)"),
     ("a run killed after logging a step, before its first checkpoint, run again with the same name",
-     "starts over in its folder; what it logged is kept in `abandoned_after_step_0/`"),
+     "starts over in its folder; what it logged is kept in `metrics.jsonl.old`"),
     ("`--resume latest` in a copied or moved repository, on the default model",
      "goes on: the default model is recorded as `tiny_model`, relative to the repository"),
     ("control characters (ANSI escapes) in a flag value of `checkpoint.json`",
@@ -142,14 +140,14 @@ def make_inputs(tmp: Path) -> None:
     (tmp / "a_file").write_text("")
     (tmp / "read_only").mkdir()
     (tmp / "read_only").chmod(0o555)
-    shutil.copytree(models.DEFAULT_MODEL, tmp / "truncated")
+    shutil.copytree(common.DEFAULT_MODEL, tmp / "truncated")
     weights = (tmp / "truncated" / "model.safetensors").read_bytes()
     (tmp / "truncated" / "model.safetensors").write_bytes(weights[: len(weights) // 2])  # an interrupted copy
-    shutil.copytree(models.DEFAULT_MODEL, tmp / "config_list")
+    shutil.copytree(common.DEFAULT_MODEL, tmp / "config_list")
     (tmp / "config_list" / "config.json").write_text("[1, 2]")
     make_custom_code_model(tmp / "custom_code", tmp / "code-ran")
     make_pickled_model(tmp / "pickled_bin", tmp / "code-ran")
-    shutil.copytree(models.DEFAULT_MODEL, tmp / "bad_template")
+    shutil.copytree(common.DEFAULT_MODEL, tmp / "bad_template")
     (tmp / "bad_template" / "chat_template.jinja").write_text("{{ raise_exception('no template here') }}")
     (tmp / "script_data").mkdir()
     (tmp / "script_data" / "script_data.py").write_text(f"open({str(tmp / 'code-ran')!r}, 'w')\n")
@@ -173,7 +171,7 @@ def emptied(prompts, completions, answers):
 def make_custom_code_model(folder: Path, marker: Path) -> None:
     """The tiny model, its config naming an architecture transformers does not have and, in `auto_map`, a
     Python file beside it that would define it: loading it would run that file, which leaves `marker`."""
-    shutil.copytree(models.DEFAULT_MODEL, folder)
+    shutil.copytree(common.DEFAULT_MODEL, folder)
     config = json.loads((folder / "config.json").read_text())
     config.update(model_type="mine", auto_map={"AutoConfig": "mine.MineConfig", "AutoModelForCausalLM": "mine.Mine"})
     (folder / "config.json").write_text(json.dumps(config))
@@ -196,7 +194,7 @@ def make_pickled_model(folder: Path, marker: Path) -> None:
     import torch
     from safetensors.torch import load_file
 
-    shutil.copytree(models.DEFAULT_MODEL, folder)
+    shutil.copytree(common.DEFAULT_MODEL, folder)
     weights = load_file(folder / "model.safetensors")
     (folder / "model.safetensors").unlink()
     torch.save({**weights, "extra": Payload(marker)}, folder / "pytorch_model.bin")
@@ -229,7 +227,7 @@ def test_resume_into_weights_of_other_shapes_stops(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model = tmp_path / "model"
-    shutil.copytree(models.DEFAULT_MODEL, model)
+    shutil.copytree(common.DEFAULT_MODEL, model)
     args = small(tmp_path, "--model", str(model), "--run-name", "r", "--save-every", "2")
     grpo.main(cli(grpo.Args, args=small(tmp_path, "--model", str(model), "--run-name", "r", "--save-every", "2",
                                              steps=2)[1:]))
@@ -299,17 +297,17 @@ def test_a_tokenizer_that_does_not_round_trip_is_named(tmp_path, capsys):
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
 
-    tokenizer = models.load_tokenizer(models.DEFAULT_MODEL)
+    tokenizer = common.load_tokenizer(common.DEFAULT_MODEL)
     vocab = {token: i for token, i in tokenizer.get_vocab().items() if token != " "}
     vocab.setdefault("<unk>", max(vocab.values()) + 1)
     tok = Tokenizer(WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     other = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=tokenizer.eos_token, pad_token=tokenizer.pad_token)
-    data.check_round_trip(other, [{"prompt": "12+3"}, {"prompt": "1 + 1"}])
+    common.check_round_trip(other, [{"prompt": "12+3"}, {"prompt": "1 + 1"}])
     out = capsys.readouterr().out
     assert out.startswith(LATER["round-trip"][1]) and "'1 + 1' comes back as '1<unk>+<unk>1'" in out
-    data.check_round_trip(tokenizer, [{"prompt": "1 + 1"}])  # the shipped tokenizer: silent
+    common.check_round_trip(tokenizer, [{"prompt": "1 + 1"}])  # the shipped tokenizer: silent
     assert capsys.readouterr().out == ""
 
 
@@ -322,7 +320,7 @@ def test_eval_size_0_without_evaluation_trains_on_every_row(tmp_path):
 
 def test_non_finite_metrics_are_written_as_null(tmp_path):
     (tmp_path / "run").mkdir()
-    logger = runs.Logger(tmp_path / "run", {}, rank=0)
+    logger = common.Logger(tmp_path / "run", {}, rank=0)
     logger.log(0, {"loss/policy": float("nan"), "policy/grad_norm": float("inf"), "reward/mean": 0.5})
     logger.close()
     line = (tmp_path / "run" / "metrics.jsonl").read_text()
@@ -341,10 +339,10 @@ def test_healthy_runs_print_no_alarming_noise(tmp_path, capfd):
     import ppo
 
     untied = tmp_path / "untied"
-    model = AutoModelForCausalLM.from_pretrained(models.DEFAULT_MODEL, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_pretrained(common.DEFAULT_MODEL, tie_word_embeddings=False)
     model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
     model.save_pretrained(untied)
-    models.load_tokenizer(models.DEFAULT_MODEL).save_pretrained(untied)
+    common.load_tokenizer(common.DEFAULT_MODEL).save_pretrained(untied)
     never = tmp_path / "never.jsonl"  # every answer is wrong: every group has zero variance and is filtered out
     never.write_text("".join(json.dumps({"prompt": f"{a}+{a}", "answer": "never"}) + "\n" for a in range(10, 40)))
     capfd.readouterr()
@@ -404,7 +402,7 @@ def test_a_dangling_lock_link_creates_nothing_outside(tmp_path):
     run_dir = tmp_path / "runs" / "r"
     run_dir.mkdir(parents=True)
     (run_dir / ".run.lock").symlink_to(tmp_path / "created_outside")
-    with pytest.raises(UsageError, match=re.escape(f"{runs.RUN_LOCK} {LATER['link'][1]}")):
+    with pytest.raises(UsageError, match=re.escape(f"{common.RUN_LOCK} {LATER['link'][1]}")):
         grpo.main(cli(grpo.Args, args=small(tmp_path, "--run-name", "r", steps=1)[1:]))
     assert not (tmp_path / "created_outside").exists()
 
@@ -420,7 +418,7 @@ def test_a_folder_holding_someone_elses_files_is_not_taken(tmp_path):
 
 
 def a_shard(checkpoint: Path) -> Path:
-    return sorted((checkpoint / runs.TRAINING_STATE).glob("*.safetensors"))[0]
+    return sorted((checkpoint / common.TRAINING_STATE).glob("*.safetensors"))[0]
 
 
 def test_a_shard_that_is_a_link_is_refused(tmp_path, finished_run):
@@ -456,7 +454,7 @@ def test_a_run_killed_before_its_first_checkpoint_starts_over(tmp_path):
         grpo.main(cli(grpo.Args, args=[*argv, "--resume", "latest"]))
     grpo.main(cli(grpo.Args, args=argv))
     assert [m["step"] for m in read_metrics(run_dir)] == [0, 1] and (run_dir / "final").is_dir()
-    assert (run_dir / "abandoned_after_step_0" / "metrics.jsonl").read_text() == logged
+    assert (run_dir / "metrics.jsonl.old").read_text() == logged
 
 
 @pytest.mark.slow
@@ -494,7 +492,7 @@ def test_a_bad_metrics_line_stops_a_resume_with_one_line(tmp_path, finished_run,
                                     "step '3'", "step 2.5", "not an object"])
 def test_a_damaged_checkpoint_info_stops_before_anything_moves(tmp_path, finished_run, damage):
     run_dir = copy_run(finished_run, tmp_path)
-    info_file = run_dir / "step_2" / runs.CHECKPOINT_INFO
+    info_file = run_dir / "step_2" / common.CHECKPOINT_INFO
     info = json.loads(info_file.read_text())
     key = damage.split()[1]
     if damage.startswith("no "):
@@ -527,6 +525,8 @@ def small_disk(tmp_path):
 def test_a_full_disk_during_a_resume_leaves_the_folder_as_it_was(tmp_path, finished_run, small_disk):
     shutil.copytree(finished_run, small_disk / "runs" / "r")
     run_dir = small_disk / "runs" / "r"
+    shutil.rmtree(run_dir / "step_6")  # as if killed after logging step 5: the resume cuts steps 4 and 5 off
+    shutil.rmtree(run_dir / "final")
     with open(small_disk / "filler", "wb", buffering=0) as filler:  # every block of the disk taken
         try:
             while True:
@@ -534,7 +534,7 @@ def test_a_full_disk_during_a_resume_leaves_the_folder_as_it_was(tmp_path, finis
         except OSError:
             pass
     before = listing(run_dir)
-    argv = small(small_disk, "--run-name", "r", "--save-every", "2", "--resume", str(run_dir / "step_2"), steps=8)
+    argv = small(small_disk, "--run-name", "r", "--save-every", "2", "--resume", "latest", steps=8)
     with pytest.raises(UsageError, match=re.escape(LATER["full"][1])):
         grpo.main(cli(grpo.Args, args=argv[1:]))
     assert listing(run_dir) == before
@@ -562,7 +562,7 @@ def test_a_reward_fn_that_exits_stops_the_run_as_a_failure(tmp_path):
 
 def test_control_characters_in_a_checkpoints_flags_are_printed_escaped(tmp_path, finished_run, capsys):
     run_dir = copy_run(finished_run, tmp_path)
-    info_file = run_dir / "step_6" / runs.CHECKPOINT_INFO
+    info_file = run_dir / "step_6" / common.CHECKPOINT_INFO
     info = json.loads(info_file.read_text())
     info["config"]["dataset_config"] = "\x1b[2J\x1b[31mall clear"
     info_file.write_text(json.dumps(info))
@@ -573,7 +573,7 @@ def test_control_characters_in_a_checkpoints_flags_are_printed_escaped(tmp_path,
 
 
 def test_the_math_grader_does_not_import_from_the_working_directory(tmp_path, monkeypatch):
-    from rewards import MathVerifier
+    from common import MathVerifier
 
     (tmp_path / "json.py").write_text(f"open({str(tmp_path / 'code-ran')!r}, 'w')\nfrom _json import *\n")
     monkeypatch.chdir(tmp_path)

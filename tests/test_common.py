@@ -9,11 +9,25 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from common import UsageError, cat_rollouts, generate, get_logprobs, select_rows
+from common import (
+    DEFAULT_MODEL,
+    UsageError,
+    builtin_splits,
+    call_reward_fn,
+    cat_rollouts,
+    final_answer,
+    format_prompt,
+    generate,
+    get_logprobs,
+    load_model,
+    load_reward_fn,
+    load_rows,
+    load_tokenizer,
+    prompt_batch,
+    score,
+    select_rows,
+)
 from conftest import ROOT
-from data import builtin_splits, format_prompt, load_rows, prompt_batch
-from models import DEFAULT_MODEL, load_model, load_tokenizer
-from rewards import call_reward_fn, final_answer, load_reward_fn, score
 
 
 @pytest.fixture(scope="module")
@@ -312,16 +326,16 @@ def test_a_reward_module_is_imported_from_the_working_directory_and_sys_path_is_
     before = list(sys.path)
     fn = load_reward_fn("cwd_rewards:one", [{"prompt": "1+1", "answer": "2"}])
     assert fn(["p"], ["c"], ["a"]) == [1.0] and sys.path == before
-    # A user's rewards.py in the working directory would be shadowed by this project's module: named, not run.
-    (tmp_path / "rewards.py").write_text("def mine(prompts, completions, answers):\n    return [0.0]\n")
-    with pytest.raises(UsageError, match="'rewards' is a module of this project; pass your file as path/to/rewards.py"):
-        load_reward_fn("rewards:mine")
-    assert load_reward_fn(f"{tmp_path / 'rewards.py'}:mine")(["p"], ["c"], ["a"]) == [0.0]
+    # A user's common.py in the working directory would be shadowed by this project's module: named, not run.
+    (tmp_path / "common.py").write_text("def mine(prompts, completions, answers):\n    return [0.0]\n")
+    with pytest.raises(UsageError, match="'common' is a module of this project; pass your file as path/to/common.py"):
+        load_reward_fn("common:mine")
+    assert load_reward_fn(f"{tmp_path / 'common.py'}:mine")(["p"], ["c"], ["a"]) == [0.0]
 
 
 def test_importing_the_plumbing_changes_nothing_outside_it():
     """No import-time side effects: transformers' progress bars and sys.path are as they were."""
-    child = ("import sys, transformers; path = list(sys.path); import common, models, data, rewards, runs; "
+    child = ("import sys, transformers; path = list(sys.path); import common; "
              "print(transformers.utils.logging.is_progress_bar_enabled(), sys.path == path)")
     out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -10,9 +10,8 @@ import torch
 
 import dapo
 import grpo
-from common import UsageError
+from common import UsageError, prompt_batch
 from conftest import read_metrics, record_batch_sizes, run
-from data import prompt_batch
 
 
 @pytest.mark.parametrize("length, penalty", [(16000, 0.0), (16384, 0.0), (18432, -0.5), (20480, -1.0), (20481, -1.0)])

@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from common import UsageError
+from common import UsageError, load_data
 from conftest import read_metrics, run
-from data import load_data
 from test_runs import main_fails  # grpo.main stops with the message and writes nothing
 
 GSM8K_LIKE = [{"question": f"what is {a} plus {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
@@ -137,7 +136,7 @@ def gpt2_with_positions(folder: Path, positions: int) -> str:
     model's tokenizer."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from models import DEFAULT_MODEL, load_tokenizer
+    from common import DEFAULT_MODEL, load_tokenizer
 
     tokenizer = load_tokenizer(DEFAULT_MODEL)
     config = GPT2Config(vocab_size=len(tokenizer), n_positions=positions, n_embd=32, n_layer=1, n_head=2,

@@ -150,7 +150,7 @@ def test_critic_values_are_read_from_the_hidden_state_before_each_response_token
     """Values of the response tokens of a left-padded batch equal those of each row run alone, unpadded."""
     from transformers import AutoModel
 
-    from models import DEFAULT_MODEL, load_tokenizer
+    from common import DEFAULT_MODEL, load_tokenizer
 
     torch.manual_seed(0)
     tokenizer = load_tokenizer(DEFAULT_MODEL)
@@ -185,7 +185,7 @@ def reward_model_folder(tmp_path_factory):
     """A random tiny sequence-classification reward model that shares the default model's tokenizer."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from models import DEFAULT_MODEL, load_tokenizer
+    from common import DEFAULT_MODEL, load_tokenizer
 
     folder = tmp_path_factory.mktemp("rm") / "rm"
     torch.manual_seed(0)
@@ -201,8 +201,7 @@ def test_reward_model_scores_are_the_rewards(tmp_path, monkeypatch, reward_model
     the reward model's backbone."""
     from transformers import AutoModelForSequenceClassification
 
-    from data import format_prompt
-    from models import load_tokenizer
+    from common import format_prompt, load_tokenizer
 
     seen, real = [], ppo.compute_rewards
 
@@ -227,7 +226,7 @@ def test_reward_model_scores_are_the_rewards(tmp_path, monkeypatch, reward_model
 
     rm = AutoModelForSequenceClassification.from_pretrained(reward_model_folder).eval()
     tokenizer = load_tokenizer(reward_model_folder)
-    from data import builtin_splits, prompt_batch
+    from common import builtin_splits, prompt_batch
 
     train_set, _ = builtin_splits()
     for step, ((scores, truncated), completions) in enumerate(zip(seen, texts)):

@@ -1,10 +1,9 @@
 """Resume after a crash, for every algorithm file: a run killed with SIGKILL in the middle of a save and
 resumed with --resume latest ends with the same weights and metrics, bitwise, as the run that was never
 stopped; a half-written checkpoint is never picked up; a bad --resume stops at start-up. And the run
-folder: claimed by one run at a time, never deleted from, following the live branch of a resumed run."""
+folder: claimed by one run at a time, never deleted from; resuming an earlier checkpoint starts a new one."""
 
 import errno
-import json
 import os
 import pickle
 import re
@@ -18,9 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import common
 import grpo
-import models
-import runs
 from common import UsageError
 from conftest import ALGORITHMS, ROOT, read_metrics, run
 
@@ -240,18 +238,22 @@ def test_two_runs_started_together_with_one_name(tmp_path):
     assert [m["step"] for m in read_metrics(tmp_path / "same")] == [0, 1, 2]
 
 
-def test_resuming_an_earlier_checkpoint_sets_the_abandoned_branch_aside(tmp_path):
-    """Branch off step_2 of a 6-step run: step_4, step_6, final/ and the metrics from step 2 on are moved
-    aside, not deleted; --resume latest then takes the live branch's checkpoint, and metrics.jsonl reads
-    as one run."""
+def test_resuming_an_earlier_checkpoint_starts_a_new_run_folder(tmp_path):
+    """step_2 of a 6-step run is not its newest checkpoint: the resumed run goes on in a new folder, which
+    starts with the run's metrics before step 2, and leaves that run as it was; --run-name of that run is
+    refused."""
     grpo.main(small_run(tmp_path, "run"))
-    before = read_metrics(tmp_path / "run")
-    grpo.main(small_run(tmp_path, "run", num_steps=3, resume=str(tmp_path / "run" / "step_2")))
-    aside = tmp_path / "run" / "abandoned_after_step_2"
-    assert {p.name for p in aside.iterdir()} == {"step_4", "step_6", "final", "metrics.jsonl"}
-    assert [json.loads(line) for line in (aside / "metrics.jsonl").read_text().splitlines()] == before[2:]
-    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [0, 1, 2]
-    assert runs.latest_checkpoint(tmp_path / "run") == tmp_path / "run" / "step_2"
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "run").iterdir()}
+    logged = (tmp_path / "run" / "metrics.jsonl").read_text()
+    with pytest.raises(UsageError, match="already holds a run. Continue it with --resume latest, or choose another"):
+        grpo.main(small_run(tmp_path, "run", num_steps=3, resume=str(tmp_path / "run" / "step_2")))
+    grpo.main(small_run(tmp_path, None, num_steps=3, resume=str(tmp_path / "run" / "step_2")))
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "run").iterdir()} == before
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == logged
+    new = [p for p in tmp_path.iterdir() if p.name != "run"]
+    assert len(new) == 1 and (new[0] / "final").is_dir(), new
+    assert [m["step"] for m in read_metrics(new[0])] == [0, 1, 2]
+    assert common.latest_checkpoint(tmp_path / "run") == tmp_path / "run" / "step_6"
 
 
 def test_resume_never_deletes_what_it_did_not_write(tmp_path):
@@ -286,11 +288,11 @@ def test_a_checkpoint_of_another_algorithm_or_model_is_refused(tmp_path, capsys)
 
     grpo.main(small_run(tmp_path, "g", num_steps=2))
     same_shape = tmp_path / "other_model"
-    shutil.copytree(models.DEFAULT_MODEL, same_shape)
-    with pytest.raises(UsageError, match=f"trained from --model {models.DEFAULT_MODEL}, resumed with --model "
-                                         f"{same_shape}. Resume with --model {models.DEFAULT_MODEL}"):
+    shutil.copytree(common.DEFAULT_MODEL, same_shape)
+    with pytest.raises(UsageError, match=f"trained from --model {common.DEFAULT_MODEL}, resumed with --model "
+                                         f"{same_shape}. Resume with --model {common.DEFAULT_MODEL}"):
         grpo.main(small_run(tmp_path, "g", num_steps=4, resume="latest", model=str(same_shape)))
-    assert not (tmp_path / "g" / "abandoned_after_step_2").exists()  # refused before anything moved
+    assert [m["step"] for m in read_metrics(tmp_path / "g")] == [0, 1]  # refused before anything changed
 
     capsys.readouterr()
     grpo.main(small_run(tmp_path, "g", num_steps=3, resume="latest", learning_rate=1e-4))
@@ -418,7 +420,7 @@ def test_a_write_error_on_one_rank_stops_every_rank(tmp_path):
     assert result.returncode != 0
     assert "step_4 (rank 1: No space left on device: " in result.stderr and "Removed step_4.tmp" in result.stderr
     assert sorted(p.name for p in (tmp_path / "full").glob("step_*")) == ["step_2"]
-    assert runs.latest_checkpoint(tmp_path / "full") == tmp_path / "full" / "step_2"
+    assert common.latest_checkpoint(tmp_path / "full") == tmp_path / "full" / "step_2"
 
 
 def test_keep_checkpoints_prunes_the_older_ones(tmp_path):

@@ -1,4 +1,4 @@
-"""The math reward of real data (rewards.correctness_reward with exact=False): a table of (gold answer,
+"""The math reward of real data (common.correctness_reward with exact=False): a table of (gold answer,
 completion, right?) cases in the forms MATH- and GSM8K-style datasets use, each run through the
 reward itself; and the grader's deadline."""
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from rewards import MathVerifier, correctness_reward
+from common import MathVerifier, correctness_reward
 
 GSM8K_GOLD = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
               "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72")

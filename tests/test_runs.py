@@ -81,8 +81,7 @@ def test_ranks_share_prompts_only_all_together(tmp_path):
     those of one process running every row whole."""
     from shared_prompts_ranks import PROMPTS, rows
 
-    from common import get_logprobs
-    from models import DEFAULT_MODEL, load_model, load_tokenizer
+    from common import DEFAULT_MODEL, get_logprobs, load_model, load_tokenizer
 
     result = run(["tests/shared_prompts_ranks.py"], cwd=tmp_path, torchrun=2, timeout=600)
     assert result.returncode == 0, result.stderr

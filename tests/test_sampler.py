@@ -14,10 +14,17 @@ import shutil
 import pytest
 import torch
 
-from common import UsageError, generate, get_logprobs, sampler_logprob_gap
+from common import (
+    DEFAULT_MODEL,
+    UsageError,
+    format_prompt,
+    generate,
+    get_logprobs,
+    load_model,
+    load_tokenizer,
+    sampler_logprob_gap,
+)
 from conftest import ALGORITHMS, read_metrics, run
-from data import format_prompt
-from models import DEFAULT_MODEL, load_model, load_tokenizer
 
 PROMPTS = ("1+2", "45+67", "99+9", "3+30")
 CPU = torch.device("cpu")
