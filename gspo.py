@@ -367,43 +367,44 @@ def main(args: Args) -> None:
             # ---
 
         # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
-        with timed(times, "update"):
-            minibatch_size = max(1, -(-len(b_ids) // args.num_minibatches))  # ceil: a batch of any size splits
-            update_metrics = []
-            for epoch in range(args.updates_per_rollout):
-                # --- algorithm: the minibatches: a fresh shuffle of the sequences each pass ---
-                b_order = torch.randperm(len(b_ids), device=device)
+        update_start = time.perf_counter()
+        minibatch_size = max(1, -(-len(b_ids) // args.num_minibatches))  # ceil: a batch of any size splits
+        update_metrics = []
+        for epoch in range(args.updates_per_rollout):
+            # --- algorithm: the minibatches: a fresh shuffle of the sequences each pass ---
+            b_order = torch.randperm(len(b_ids), device=device)
+            # ---
+            for start in range(0, len(b_ids), minibatch_size):  # none when the batch is empty
+                mb_idx = b_order[start : start + minibatch_size].sort().values  # sorted: a group's rows together
+                # --- algorithm: the loss is a mean over the optimizer step's sequences, on every rank ---
+                num_sequences = all_reduce((b_response_mask[mb_idx].sum(-1) > 0).sum()) / args.world_size
                 # ---
-                for start in range(0, len(b_ids), minibatch_size):  # none when the batch is empty
-                    mb_idx = b_order[start : start + minibatch_size].sort().values  # sorted: a group's rows together
-                    # --- algorithm: the loss is a mean over the optimizer step's sequences, on every rank ---
-                    num_sequences = all_reduce((b_response_mask[mb_idx].sum(-1) > 0).sum()) / args.world_size
-                    # ---
-                    micro_batches = mb_idx.split(args.micro_batch_size)  # a prompt runs once per micro-batch
-                    for k, idx in enumerate(micro_batches):
-                        # Gradients are synced over ranks once per optimizer step, on the last micro-batch.
-                        with no_sync(wrapped.values(), last=k == len(micro_batches) - 1):
-                            logprobs, entropy = get_logprobs(model, b_ids[idx], b_attention_mask[idx],
-                                                             b_rollout.prompt_length, args.temperature)
-                            if old_from_update and epoch == 0:  # the sampling weights: the ratio is exactly 1
-                                b_old_logprobs[idx] = logprobs.detach()
-                            # --- algorithm: the GSPO loss ---
-                            loss, mb_metrics = compute_loss(
-                                logprobs, b_old_logprobs[idx], None if b_ref_logprobs is None else b_ref_logprobs[idx],
-                                b_advantages[idx], b_response_mask[idx], num_sequences, args.clip_eps_low,
-                                args.clip_eps_high, args.beta)
-                            # ---
-                            loss.backward()
-                        mb_metrics["policy/entropy"] = masked_mean(entropy, b_response_mask[idx])
-                        update_metrics.append(mb_metrics)
-                    grad_norm = clip_grad_norm(policy.parameters(), args.max_grad_norm)
-                    if not torch.isfinite(grad_norm):  # one host sync per optimizer step; the same value on every rank
-                        raise UsageError(f"step {step}: non-finite gradient norm ({grad_norm.item()}); stopped before "
-                                         f"the optimizer step. Try a lower --learning-rate, or check --reward-fn. "
-                                         f"{resume_hint(run_dir)}")
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    update_metrics.append({"policy/grad_norm": grad_norm})
+                micro_batches = mb_idx.split(args.micro_batch_size)  # a prompt runs once per micro-batch
+                for k, idx in enumerate(micro_batches):
+                    # Gradients are synced over ranks once per optimizer step, on the last micro-batch.
+                    with no_sync(wrapped.values(), last=k == len(micro_batches) - 1):
+                        logprobs, entropy = get_logprobs(model, b_ids[idx], b_attention_mask[idx],
+                                                         b_rollout.prompt_length, args.temperature)
+                        b_old_logprobs[idx] = (logprobs.detach() if old_from_update and epoch == 0
+                                               else b_old_logprobs[idx])
+                        # --- algorithm: the GSPO loss ---
+                        loss, mb_metrics = compute_loss(
+                            logprobs, b_old_logprobs[idx], None if b_ref_logprobs is None else b_ref_logprobs[idx],
+                            b_advantages[idx], b_response_mask[idx], num_sequences, args.clip_eps_low,
+                            args.clip_eps_high, args.beta)
+                        # ---
+                        loss.backward()
+                    mb_metrics["policy/entropy"] = masked_mean(entropy, b_response_mask[idx])
+                    update_metrics.append(mb_metrics)
+                grad_norm = clip_grad_norm(policy.parameters(), args.max_grad_norm)
+                if not torch.isfinite(grad_norm):  # one host sync per optimizer step; the same value on every rank
+                    raise UsageError(f"step {step}: non-finite gradient norm ({grad_norm.item()}); stopped before "
+                                     f"the optimizer step. Try a lower --learning-rate, or check --reward-fn. "
+                                     f"{resume_hint(run_dir)}")
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                update_metrics.append({"policy/grad_norm": grad_norm})
+        times["update"] = time.perf_counter() - update_start
 
         # --- algorithm: the sampler guard, on the completions this policy sampled ---
         # Were they drawn from the distribution the loss assumes? (the gap is ~1e-6 in fp32)
