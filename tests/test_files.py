@@ -15,7 +15,12 @@ What may differ between two files:
 import dataclasses
 import difflib
 import importlib
+import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -108,3 +113,31 @@ def test_help_shows_the_flag_groups_and_each_default_once(algo, capsys, monkeypa
     flags = [f for group in module.Args.__mro__[1:] if dataclasses.is_dataclass(group)
              for f in dataclasses.fields(group)]
     assert out.count("(default:") == len(flags)  # tyro's, once per flag: no docstring states a default of its own
+
+
+# A codebase that has packages of its own under names that plumbing modules often take.
+HOST_PACKAGES = {"models": "class Net:\n    pass\n", "data": "def load():\n    return []\n"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_an_algorithm_file_and_common_py_run_when_copied_into_another_codebase(tmp_path, ranks):
+    """dapo.py, common.py and tiny_model/ copied into a folder that also holds a `models` and a `data` package
+    run as `python dapo.py --num-steps 2 --eval-every 0` (and under torchrun with 2 ranks), importing nothing
+    from the host's packages and nothing from this repository."""
+    host = tmp_path / "host"
+    for package, source in HOST_PACKAGES.items():
+        (host / package).mkdir(parents=True)
+        (host / package / "__init__.py").write_text(source)
+    shutil.copy(ROOT / "dapo.py", host)
+    shutil.copy(ROOT / "common.py", host)
+    shutil.copytree(ROOT / "tiny_model", host / "tiny_model")
+    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    f"--nproc_per_node={ranks}"]
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}  # the repository is not on it
+    result = subprocess.run([*launcher, "dapo.py", "--num-steps", "2", "--eval-every", "0"], cwd=host, env=env,
+                            capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = (host / "runs").iterdir()
+    assert (run_dir / "final" / "model.safetensors").is_file()
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1]
