@@ -1242,9 +1242,10 @@ class Logger:
     def close(self) -> None:
         if self.enabled:
             self.file.close()
-            for sink in (self.tensorboard, self.wandb):
-                if sink:
-                    sink.close() if sink is self.tensorboard else sink.finish()
+            if self.tensorboard:
+                self.tensorboard.close()
+            if self.wandb:
+                self.wandb.finish()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -386,10 +386,10 @@ def main(args: Args) -> None:
         # 5. old log-probs (no grad), recomputed by the training model: the ratio starts at exactly 1. With one
         # optimizer step per pass, the first pass runs on the sampling weights, and its forward gives them.
         # --- algorithm: nothing needs the old log-probs before the update ---
-        old_from_update = args.num_minibatches == 1
+        old_in_pass_1 = args.num_minibatches == 1
         # ---
         with timed(times, "logprobs"):
-            b_old_logprobs = (torch.zeros_like(b_response_mask) if old_from_update  # (B, T), filled in by pass 1
+            b_old_logprobs = (torch.zeros_like(b_response_mask) if old_in_pass_1  # (B, T), filled in by pass 1
                               else rollout_logprobs(model, b_rollout, args.temperature, args.micro_batch_size))
 
         # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
@@ -415,8 +415,7 @@ def main(args: Args) -> None:
                     with no_sync(wrapped.values(), last=k == len(micro_batches) - 1):
                         logprobs, entropy = get_logprobs(model, b_ids[idx], b_attention_mask[idx],
                                                          b_rollout.prompt_length, args.temperature)
-                        b_old_logprobs[idx] = (logprobs.detach() if old_from_update and epoch == 0
-                                               else b_old_logprobs[idx])
+                        b_old_logprobs[idx] = logprobs.detach() if old_in_pass_1 and epoch == 0 else b_old_logprobs[idx]
                         # --- algorithm: the DAPO loss ---
                         loss, mb_metrics = compute_loss(
                             logprobs, b_old_logprobs[idx], b_advantages[idx], b_response_mask[idx], num_tokens,

@@ -339,10 +339,10 @@ def main(args: Args) -> None:
         # 5. old log-probs (no grad), recomputed by the training model: the ratio starts at exactly 1. With one
         # optimizer step per pass, the first pass runs on the sampling weights, and its forward gives them.
         # --- algorithm: the KL reward needs the old log-probs before the update; nothing else does ---
-        old_from_update = args.num_minibatches == 1 and ref_policy is None
+        old_in_pass_1 = args.num_minibatches == 1 and ref_policy is None
         # ---
         with timed(times, "logprobs"):
-            b_old_logprobs = (torch.zeros_like(b_response_mask) if old_from_update  # (B, T), filled in by pass 1
+            b_old_logprobs = (torch.zeros_like(b_response_mask) if old_in_pass_1  # (B, T), filled in by pass 1
                               else rollout_logprobs(model, b_rollout, args.temperature, args.micro_batch_size))
             # --- algorithm: the KL to the reference enters the reward; then 4. the leave-one-out advantages ---
             b_ref_logprobs = None
@@ -373,8 +373,7 @@ def main(args: Args) -> None:
                     with no_sync(wrapped.values(), last=k == len(micro_batches) - 1):
                         logprobs, entropy = get_logprobs(model, b_ids[idx], b_attention_mask[idx],
                                                          b_rollout.prompt_length, args.temperature)
-                        b_old_logprobs[idx] = (logprobs.detach() if old_from_update and epoch == 0
-                                               else b_old_logprobs[idx])
+                        b_old_logprobs[idx] = logprobs.detach() if old_in_pass_1 and epoch == 0 else b_old_logprobs[idx]
                         # --- algorithm: the RLOO loss ---
                         loss, mb_metrics = compute_loss(
                             logprobs, b_old_logprobs[idx], b_advantages[idx], b_response_mask[idx], num_sequences)
