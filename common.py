@@ -1358,8 +1358,8 @@ def _find_run_dir(run_info: dict) -> tuple[Path, Path | None]:
 
 def _continues(run_dir: Path, checkpoint: Path | None) -> bool:
     """Whether a resume from `checkpoint` goes on in run_dir: the newest checkpoint of that run folder."""
-    return (checkpoint is not None and _is_run_dir(run_dir) and checkpoint.parent.resolve() == run_dir.resolve()
-            and latest_checkpoint(run_dir) == checkpoint.parent / checkpoint.name)
+    newest = latest_checkpoint(run_dir) if checkpoint is not None and _is_run_dir(run_dir) else None
+    return newest is not None and newest.resolve() == Path(checkpoint).resolve()
 
 
 def _can_start_in(run_dir: Path) -> None:

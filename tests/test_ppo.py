@@ -56,7 +56,7 @@ def test_whitening_uses_only_valid_tokens():
 
 
 def test_whitening_over_ranks_uses_the_whole_batch():
-    """Two halves whitened with their statistics summed (what all_reduce_sum does over two ranks) give
+    """Two halves whitened with their statistics summed (what all_reduce does over two ranks) give
     the whole batch's result; whitened alone, they would not."""
     torch.manual_seed(0)
     x, mask = torch.randn(6, 4), (torch.rand(6, 4) > 0.3).float()

@@ -256,6 +256,14 @@ def test_resuming_an_earlier_checkpoint_starts_a_new_run_folder(tmp_path):
     assert common.latest_checkpoint(tmp_path / "run") == tmp_path / "run" / "step_6"
 
 
+def test_a_checkpoint_named_by_a_relative_path_continues_its_run(tmp_path, monkeypatch):
+    """--resume r/step_2 from the folder that holds r, with --output-dir an absolute path: the same run."""
+    monkeypatch.chdir(tmp_path)
+    grpo.main(small_run(tmp_path, "r", num_steps=2))
+    grpo.main(small_run(tmp_path, "r", num_steps=3, resume="r/step_2"))
+    assert [m["step"] for m in read_metrics(tmp_path / "r")] == [0, 1, 2]
+
+
 def test_resume_never_deletes_what_it_did_not_write(tmp_path):
     """A checkpoint copied out of its run, next to the user's own files: the resumed run writes into a
     new run folder under --output-dir, and the user's files stay as they were."""
