@@ -7,7 +7,7 @@ algorithm's equations: advantages, ratios, clipping, KL and loss aggregation liv
 4. Data: `load_data` (built-in a+b task, JSONL, `datasets`), `fit_prompts`, `format_prompt`, `prompt_batch`
 5. Rewards and evaluation: `score` (correctness by math-verify, format, a user's function), `evaluate`
 6. Generation and log-probs: `Rollout`, `generate`, `get_logprobs`, `sampler_logprob_gap`
-7. Metrics and logging: `Logger` (stdout, metrics.jsonl, TensorBoard, W&B), `rollout_metrics`, `perf_metrics`
+7. Metrics and logging: `Logger` (stdout, metrics.jsonl, TensorBoard, W&B), `step_metrics`
 8. Run folder: `prepare_run_dir`, `claim_run_dir`, `resume_hint` (the rules: docs/checkpoints.md)
 9. Checkpoints: `save_checkpoint`, `load_checkpoint` (torch.distributed.checkpoint, safetensors only)
 """
@@ -239,11 +239,12 @@ def all_reduce(x: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return x
 
 
-def all_reduce_mean(metrics: dict[str, float | torch.Tensor], device: torch.device) -> dict[str, float]:
+def all_reduce_mean(metrics: dict[str, float | torch.Tensor]) -> dict[str, float]:
     """Scalar metrics (floats or 0-dim tensors) averaged over ranks, so that what rank 0 logs describes the
     whole step: one all-reduce and one device-to-host copy for all of them."""
     if not metrics:
         return {}
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).detach() for v in metrics.values()])
     if dist.is_initialized():
         values = all_reduce(values) / dist.get_world_size()
@@ -323,12 +324,13 @@ def load_tokenizer(name: str, flag: str = "--model"):
 
 
 def load_model(name: str, dtype: str, device: torch.device, tokenizer, auto_class=AutoModelForCausalLM,
-               flag: str = "--model"):
+               flag: str = "--model", gradient_checkpointing: bool = False):
     """Any causal LM (or, with `auto_class`, e.g. `AutoModel`, its backbone) by Hugging Face name or local
     path, in `dtype` ("auto": fp32 on CPU, bf16 on GPU), its embeddings grown if `load_tokenizer` added a
     pad token. Log-probs must be a deterministic function of the weights, also in train mode (which
     --gradient-checkpointing needs): every dropout rate is zeroed in the config before the model is built
-    (attention dropout is applied functionally from it) and in every dropout module."""
+    (attention dropout is applied functionally from it) and in every dropout module. `gradient_checkpointing`
+    recomputes each layer in the backward pass, which transformers does in train mode only."""
     if dtype == "auto":
         dtype = "bfloat16" if device.type == "cuda" else "float32"
     config = from_pretrained(AutoConfig, name, flag)
@@ -351,6 +353,9 @@ def load_model(name: str, dtype: str, device: torch.device, tokenizer, auto_clas
     model = model.to(device)
     if model.get_output_embeddings() is not None:
         check_output_logits(model, name, flag)
+    if gradient_checkpointing:  # dropout is off: train mode changes nothing else
+        model.activation_checkpointing_enable({"use_reentrant": False})
+        model.train()
     return model
 
 
@@ -555,12 +560,12 @@ def load_data(dataset: str | None, eval_dataset: str | None, eval_size: int, dat
 
 
 def fit_prompts(train: list[dict], held_out: list[dict], tokenizer, chat_template: bool,
-                max_prompt_length: int | None, max_new_tokens: int, positions: int | None
-                ) -> tuple[list[dict], list[dict]]:
+                max_prompt_length: int | None, max_new_tokens: int, model: str) -> tuple[list[dict], list[dict]]:
     """The examples whose prompt, formatted as it will be sampled from, is not empty, has at most
-    `max_prompt_length` tokens and leaves room for `max_new_tokens` in the model's `positions` (a longer
+    `max_prompt_length` tokens and leaves room for `max_new_tokens` in the positions of `model` (a longer
     one would be trained on positions past the trained range, or crash the step that draws it). The
     others are dropped with a printed count; a set left empty stops the run."""
+    positions = model_positions(model)
     limit = min(max_prompt_length or math.inf, positions - max_new_tokens if positions else math.inf)
     if limit < 1:
         raise UsageError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's {positions} "
@@ -851,9 +856,12 @@ def call_reward_fn(fn, spec: str, prompts: list[str], completions: list[str], an
     return out
 
 
-def score(prompts: list[str], completions: list[str], answers: list[str], exact: bool, format_weight: float = 0.0,
+def score(examples: list[dict], completions: list[str], group_size: int, exact: bool, format_weight: float = 0.0,
           reward_fn=None, reward_fn_spec: str = "") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Total reward (B,) = correct + format_weight * format + user reward, and each component (B,)."""
+    """Total reward (B,) = correct + format_weight * format + user reward, and each component (B,), of the
+    completions of `examples` ({"prompt", "answer"}): `group_size` of each, stored contiguously."""
+    prompts = [e["prompt"] for e in examples for _ in range(group_size)]
+    answers = [e["answer"] for e in examples for _ in range(group_size)]
     components = {"correct": correctness_reward(completions, answers, exact)}
     if format_weight:
         components["format"] = format_reward(completions, exact)
@@ -864,11 +872,12 @@ def score(prompts: list[str], completions: list[str], answers: list[str], exact:
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, examples: list[dict], chat_template: bool, exact: bool, max_new_tokens: int,
-             rank: int, world_size: int, seed: int, batch_size: int = 256) -> dict[str, float]:
+def evaluate(model, tokenizer, examples: list[dict], chat_template: bool, exact: bool, max_new_tokens: int, seed: int,
+             batch_size: int = 256) -> dict[str, float]:
     """Held-out accuracy: one sample at T=1 (`eval/accuracy`) and greedy (`eval/accuracy_greedy`). Each rank
     scores a strided shard; sampling is seeded and forked, so evaluation neither depends on nor disturbs the
     training RNG. `perf/eval_s` is its wall time (part of the step's `perf/step_s`)."""
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     start, shard = time.perf_counter(), examples[rank::world_size]
     right = torch.zeros(2, dtype=torch.float64, device=model.device)
     largest = -(-len(examples) // world_size)  # every rank runs as many batches (FSDP's forward is collective)
@@ -1151,23 +1160,19 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return ((x * mask).sum() / mask.sum().clamp(min=1)).detach()
 
 
-def rollout_metrics(rewards: torch.Tensor, components: dict[str, torch.Tensor], rollout) -> dict[str, torch.Tensor]:
-    """reward/mean, /std and each component's mean, and response/length_mean and /truncated_frac."""
-    lengths = rollout.response_mask.sum(-1)
+def step_metrics(rewards: torch.Tensor, components: dict[str, torch.Tensor], rollout: Rollout,
+                 times: dict[str, float], step_start: float) -> dict[str, float | torch.Tensor]:
+    """What a step sampled: reward/mean, /std and each component's mean, response/length_mean and
+    /truncated_frac; and what it cost: perf/step_s, perf/<name>_s for each timed part, perf/tokens_per_s
+    (this rank's response tokens times the ranks: averaged over ranks, the whole step's) and perf/peak_mem_gb."""
+    lengths, step_s = rollout.response_mask.sum(-1), time.perf_counter() - step_start
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
     return {"reward/mean": rewards.mean(), "reward/std": rewards.std(),
             **{f"reward/{name}": value.mean() for name, value in components.items()},
-            "response/length_mean": lengths.mean(), "response/truncated_frac": rollout.truncated.float().mean()}
-
-
-def perf_metrics(times: dict[str, float], step_start: float, rollout, device: torch.device
-                 ) -> dict[str, float | torch.Tensor]:
-    """perf/step_s, perf/<name>_s for each timed part, perf/tokens_per_s (this rank's response tokens times
-    the ranks: all_reduce_mean makes it the whole step's) and perf/peak_mem_gb."""
-    step_s = time.perf_counter() - step_start
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    return {"perf/step_s": step_s, **{f"perf/{name}_s": seconds for name, seconds in times.items()},
-            "perf/tokens_per_s": rollout.response_mask.sum() * world_size / step_s,
-            "perf/peak_mem_gb": peak_memory_gb(device)}
+            "response/length_mean": lengths.mean(), "response/truncated_frac": rollout.truncated.float().mean(),
+            "perf/step_s": step_s, **{f"perf/{name}_s": seconds for name, seconds in times.items()},
+            "perf/tokens_per_s": lengths.sum() * world_size / step_s,
+            "perf/peak_mem_gb": peak_memory_gb(rollout.response_mask.device)}
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -1194,13 +1199,16 @@ def timed(seconds: dict[str, float], name: str):
 
 
 class Logger:
-    """One line per step on stdout, every metric as JSON lines in `<run_dir>/metrics.jsonl` (NaN and inf as
-    null, so every line is valid JSON), TensorBoard when installed, Weights & Biases with `--track`. A
-    no-op on ranks other than 0."""
+    """Takes the run folder (`claim_run_dir`), then logs each step's metrics, averaged over ranks (call it on
+    every rank): one line on stdout, every metric as JSON lines in `<run_dir>/metrics.jsonl` (NaN and inf
+    as null, so every line is valid JSON), TensorBoard when installed, Weights & Biases with `--track`.
+    Only rank 0 writes."""
 
     SHOWN = ("reward/mean", "eval/accuracy", "eval/accuracy_greedy", "loss/policy", "policy/clipfrac", "perf/step_s")
 
-    def __init__(self, run_dir: Path, config: dict, rank: int, track: bool = False, num_steps: int | None = None):
+    def __init__(self, run_dir: Path, checkpoint: Path | None, config: dict, rank: int, track: bool = False,
+                 num_steps: int | None = None):
+        claim_run_dir(run_dir, checkpoint, rank)  # from here on this run writes there; a run holding it stops here
         self.enabled, self.num_steps, self.start, self.first_step = rank == 0, num_steps, time.perf_counter(), None
         self.wandb = self.tensorboard = None
         if not self.enabled:
@@ -1218,7 +1226,8 @@ class Logger:
 
             self.tensorboard = SummaryWriter(str(run_dir))
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float | torch.Tensor]) -> None:
+        metrics = all_reduce_mean(metrics)
         if not self.enabled:
             return
         finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in metrics.items()}

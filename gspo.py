@@ -50,9 +50,7 @@ from common import (
     Logger,
     UsageError,
     all_reduce,
-    all_reduce_mean,
     check_flags,
-    claim_run_dir,
     cleanup_distributed,
     cli,
     clip_grad_norm,
@@ -68,21 +66,19 @@ from common import (
     load_tokenizer,
     masked_mean,
     mean_metrics,
-    model_positions,
     no_sync,
-    perf_metrics,
     prepare_run_dir,
     print0,
     prompt_batch,
     require,
     resume_hint,
     rollout_logprobs,
-    rollout_metrics,
     sampler_logprob_gap,
     save_checkpoint,
     score,
     setup_distributed,
     shard_model,
+    step_metrics,
     timed,
 )
 
@@ -293,15 +289,12 @@ def main(args: Args) -> None:
     reward_fn = load_reward_fn(args.reward_fn, train_set[:2]) if args.reward_fn else None
     tokenizer = load_tokenizer(args.model)
     train_set, eval_set = fit_prompts(train_set, eval_set, tokenizer, args.chat_template, args.max_prompt_length,
-                                      args.max_new_tokens, model_positions(args.model))
+                                      args.max_new_tokens, args.model)
 
     # Same seed on every rank while loading, so any newly initialised weights (an added pad token's
     # embedding) are identical; then seed + rank, or every rank would sample the same completions.
     torch.manual_seed(args.seed)
-    policy = load_model(args.model, args.dtype, device, tokenizer)
-    if args.gradient_checkpointing:  # HF recomputes layers in train mode only (dropout is off: nothing else changes)
-        policy.activation_checkpointing_enable({"use_reentrant": False})
-        policy.train()
+    policy = load_model(args.model, args.dtype, device, tokenizer, gradient_checkpointing=args.gradient_checkpointing)
     if args.fsdp:  # sharded in place; FSDP2 averages gradients over ranks, as DDP does
         shard_model(policy, device)
     # --- algorithm: the reference model, the frozen initial policy (not loaded at all when beta = 0) ---
@@ -324,26 +317,22 @@ def main(args: Args) -> None:
     # What the update calls: DDP averages gradients over ranks (FSDP2 has sharded in place: nothing to wrap).
     wrapped = {name: DDP(m) if args.world_size > 1 and not args.fsdp else m for name, m in trained.items()}
     model = wrapped["policy"]
-    claim_run_dir(run_dir, resume_dir, rank)  # from here on this run writes there; a run holding it stops here
-    logger = Logger(run_dir, asdict(args), rank, args.track, args.num_steps)
+    logger = Logger(run_dir, resume_dir, asdict(args), rank, args.track, args.num_steps)  # claims run_dir
     print0(f"{args.prompts_per_step} prompts x {args.group_size} completions per step on {args.world_size} rank(s), "
            f"{args.updates_per_rollout * args.num_minibatches} optimizer steps each")
 
     for step in range(start_step, args.num_steps):
         step_start, times, metrics = time.perf_counter(), {}, {}
         if args.eval_every and step % args.eval_every == 0:
-            metrics.update(evaluate(policy, tokenizer, eval_set, args.chat_template, exact, args.max_new_tokens,
-                                    rank, args.world_size, args.seed))
+            metrics = evaluate(policy, tokenizer, eval_set, args.chat_template, exact, args.max_new_tokens, args.seed)
 
         # --- algorithm: 1-3. one group of G completions for each of the step's prompts, scored ---
         batch = prompt_batch(train_set, step, args.prompts_per_step, rank, args.world_size, args.seed)  # this rank's
         prompts = [format_prompt(tokenizer, e["prompt"], args.chat_template) for e in batch]
         with timed(times, "gen"):  # stored contiguously by group: rows j*G .. j*G+G-1
             rollout = generate(policy, tokenizer, prompts, args.group_size, args.max_new_tokens, args.temperature)
-        answers = [e["answer"] for e in batch for _ in range(args.group_size)]
-        group_prompts = [e["prompt"] for e in batch for _ in range(args.group_size)]
-        rewards, components = score(group_prompts, rollout.texts, answers, exact, args.format_weight,
-                                    reward_fn, args.reward_fn)
+        rewards, components = score(batch, rollout.texts, args.group_size, exact, args.format_weight, reward_fn,
+                                    args.reward_fn)
         b_rollout = rollout  # the batch to train on: here every completion sampled
 
         # 4. advantages: each reward standardised within its group
@@ -411,15 +400,15 @@ def main(args: Args) -> None:
         # ---
 
         # 7. log, evaluate, checkpoint
-        metrics.update({**rollout_metrics(rewards, components, rollout), **mean_metrics(update_metrics)})
-        logger.log(step, all_reduce_mean({**metrics, **perf_metrics(times, step_start, rollout, device)}, device))
+        metrics.update(mean_metrics(update_metrics))
+        logger.log(step, {**metrics, **step_metrics(rewards, components, rollout, times, step_start)})
         if args.save_every and (step + 1) % args.save_every == 0:
             save_checkpoint(run_dir / f"step_{step + 1}", trained, tokenizer, rank, run_info, optimizer, step + 1,
                             state, args.keep_checkpoints)
 
     if args.eval_every:
         logger.log(args.num_steps, evaluate(policy, tokenizer, eval_set, args.chat_template, exact,
-                                            args.max_new_tokens, rank, args.world_size, args.seed))
+                                            args.max_new_tokens, args.seed))
     save_checkpoint(run_dir / "final", trained, tokenizer, rank, run_info)
     print0(f"done: {run_dir / 'final'}")
     logger.close()

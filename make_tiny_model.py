@@ -99,7 +99,7 @@ def main(args: Args) -> None:
 
     model.eval()
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    metrics = evaluate(model, tokenizer, eval_set, True, True, 8, rank=0, world_size=1, seed=1234)
+    metrics = evaluate(model, tokenizer, eval_set, True, True, 8, seed=1234)
     prompts = [format_prompt(tokenizer, e["prompt"], True) for e in eval_set]
     texts = generate(model, tokenizer, prompts, 8, 8, 1.0).texts
     right = correctness_reward(texts, [e["answer"] for e in eval_set for _ in range(8)], exact=True).view(-1, 8)

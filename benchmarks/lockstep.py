@@ -162,7 +162,8 @@ def trl_worker(conn, model: str, shape: "Shape", rounds: int, seed: int) -> None
                                  for e in train_set])
 
     def reward(prompts, completions, answer, **kwargs):
-        return score(prompts, completions, answer, exact=True)[0].tolist()
+        examples = [{"prompt": p, "answer": a} for p, a in zip(prompts, answer)]  # one per completion
+        return score(examples, completions, 1, exact=True)[0].tolist()
 
     turns, seconds = Turns(conn), {"rollout_s": 0.0}
 

@@ -320,7 +320,7 @@ def test_eval_size_0_without_evaluation_trains_on_every_row(tmp_path):
 
 def test_non_finite_metrics_are_written_as_null(tmp_path):
     (tmp_path / "run").mkdir()
-    logger = common.Logger(tmp_path / "run", {}, rank=0)
+    logger = common.Logger(tmp_path / "run", None, {}, rank=0)
     logger.log(0, {"loss/policy": float("nan"), "policy/grad_norm": float("inf"), "reward/mean": 0.5})
     logger.close()
     line = (tmp_path / "run" / "metrics.jsonl").read_text()

@@ -284,11 +284,11 @@ def test_final_answer(text, answer):
 
 def test_score_components():
     completions = ["12", " 12 ", "12 13", "13"]
-    rewards, parts = score(["p"] * 4, completions, ["12"] * 4, exact=True, format_weight=0.5)
+    rewards, parts = score([{"prompt": "p", "answer": "12"}], completions, 4, exact=True, format_weight=0.5)
     assert parts["correct"].tolist() == [1, 1, 0, 0]  # exact: the whole completion is the answer
     assert parts["format"].tolist() == [1, 1, 0, 1]
     assert rewards.tolist() == [1.5, 1.5, 0, 0.5]
-    _, parts = score(["p"] * 4, completions, ["13"] * 4, exact=False)
+    _, parts = score([{"prompt": "p", "answer": "13"}], completions, 4, exact=False)
     assert parts["correct"].tolist() == [0, 0, 1, 1]  # math: the last number
 
 
@@ -303,7 +303,8 @@ def test_user_reward_fn(tmp_path):
     )
     spec = str(tmp_path / "my_rewards.py") + ":length"
     fn = load_reward_fn(spec)
-    rewards, parts = score(["p", "p"], ["1", "abc"], ["1", "1"], exact=True, reward_fn=fn, reward_fn_spec=spec)
+    rewards, parts = score([{"prompt": "p", "answer": "1"}], ["1", "abc"], 2, exact=True, reward_fn=fn,
+                           reward_fn_spec=spec)
     assert parts["user"].tolist() == [1, 3] and rewards.tolist() == [2, 3]
     for name, message in [("broken", "raised KeyError: 'oops'"),
                           ("short", r"one finite float per completion \(2\), got \[1.0\]"),
