@@ -147,7 +147,7 @@ def check_flags(args) -> None:
                          "(pass --output-dir for another place).")
     output = Path(args.output_dir).expanduser()
     existing = next(p for p in (output, *output.parents) if p.exists())
-    longest = os.pathconf(existing, "PC_NAME_MAX") - 15  # the run folder is first created as .<name>.claim-<pid>
+    longest = os.pathconf(existing, "PC_NAME_MAX")
     if args.run_name is not None and len(args.run_name.encode()) > longest:
         raise UsageError(f"--run-name: {len(args.run_name.encode())} bytes, longer than the {longest} that a folder "
                          "name may have here. Choose a shorter one.")
@@ -1433,20 +1433,8 @@ def _lock(run_dir: Path) -> None:
     key = str(run_dir.resolve())
     if key in _HELD_LOCKS:
         return
-    try:
-        if not run_dir.exists():  # create it with the lock already held: there is no moment it is unclaimed
-            run_dir.parent.mkdir(parents=True, exist_ok=True)
-            claim = run_dir.with_name(f".{run_dir.name}.claim-{os.getpid()}")
-            claim.mkdir()
-            fd = os.open(claim / RUN_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            try:
-                claim.rename(run_dir)
-                _HELD_LOCKS[key] = fd
-                return
-            except OSError:  # another run created it first: that run's lock decides below
-                os.close(fd)
-                shutil.rmtree(claim)
+    try:  # another run may create or lock it at the same time: whichever locks first goes on
+        run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(run_dir / RUN_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as error:
         if error.errno == errno.ELOOP:

@@ -74,7 +74,7 @@ AT_START_UP = [
     ("`--seed 99999999999999999999999`", ["--seed", "99999999999999999999999"],
      "--seed 99999999999999999999999: must be in [0, 2**63)"),
     ("a `--run-name` of 300 characters", ["--run-name", "x" * 300],
-     "--run-name: 300 bytes, longer than the 240 that a folder name may have here"),
+     "--run-name: 300 bytes, longer than the 255 that a folder name may have here"),
     ("`--temperature 1e-45`", ["--temperature", "1e-45"], "--temperature 1e-45: must be >= 0.01"),
     ("`--beta inf`", ["--beta", "inf"], "--beta inf: must be a finite number"),
     ("`--target-kl nan` (ppo.py)", ["ppo.py", "--target-kl", "nan"], "--target-kl nan: must be a finite number"),
