@@ -1417,7 +1417,7 @@ def _claim_run_dir(run_dir: Path, checkpoint: Path | None) -> None:
     step = _read_checkpoint_info(checkpoint)["step"] if checkpoint else 0
     kept = "".join(line for n, line in _metrics_lines(checkpoint.parent) if n < step) if checkpoint else ""
     metrics = run_dir / "metrics.jsonl"
-    if (metrics.read_bytes() if metrics.exists() else b"") != kept.encode():
+    if (metrics.read_bytes() if metrics.is_file() else b"") != kept.encode():  # a FIFO there would block a read
         try:
             aside = replace_file(metrics, kept, keep_old=True)
         except OSError as error:
@@ -1455,14 +1455,18 @@ def _lock(run_dir: Path) -> None:
 
 def open_to_append(path: Path):
     """A file of the run folder opened to append, never through a link: the path must be a plain file of its
-    own (not a symbolic link, nor a hard link that another name shares) or not exist yet."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-    status = os.fstat(fd)
-    if not stat.S_ISREG(status.st_mode) or status.st_nlink > 1:
+    own (not a symbolic link, a FIFO or a device, nor a hard link that another name shares) or not exist yet."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        status = os.fstat(fd)
+        if stat.S_ISREG(status.st_mode) and status.st_nlink == 1:
+            return os.fdopen(fd, "a", encoding="utf-8")
         os.close(fd)
-        raise UsageError(f"{path} is not a plain file of its own (a link, or a device): a run folder holds none. "
-                         "Remove it, or choose another --run-name.")
-    return os.fdopen(fd, "a", encoding="utf-8")
+    except OSError as error:
+        if error.errno not in (errno.ELOOP, errno.ENXIO):  # a symbolic link; a FIFO that nothing reads
+            raise
+    raise UsageError(f"{path} is not a plain file of its own (a link, or a device): a run folder holds none. "
+                     "Remove it, or choose another --run-name.")
 
 
 def replace_file(path: Path, text: str, keep_old: bool = False) -> Path | None:

@@ -97,6 +97,8 @@ LATER = {
                    "warning: the tokenizer of --model (TokenizersBackend) does not give the prompts back"),
     "link": ("a symbolic link in the run folder (`config.json`, `metrics.jsonl`, `.run.lock`, even dangling)",
              "is a symbolic link: a run folder holds none (a write through it would land elsewhere)"),
+    "fifo": ("`metrics.jsonl` a FIFO (or a device, or a hard link) in a run folder of this project",
+             "is not a plain file of its own (a link, or a device): a run folder holds none"),
     "foreign": ("`--output-dir`/`--run-name` a folder that holds files this project did not write",
                 "holds files that are not a run's of this project (config.json)"),
     "metrics": ("a bad complete line in `metrics.jsonl` (not JSON, a list, no step, NUL or non-UTF-8 bytes)",
@@ -405,6 +407,17 @@ def test_a_dangling_lock_link_creates_nothing_outside(tmp_path):
     with pytest.raises(UsageError, match=re.escape(f"{common.RUN_LOCK} {LATER['link'][1]}")):
         grpo.main(cli(grpo.Args, args=small(tmp_path, "--run-name", "r", steps=1)[1:]))
     assert not (tmp_path / "created_outside").exists()
+
+
+def test_a_metrics_file_that_is_not_a_plain_file_is_refused_without_blocking(tmp_path):
+    """A FIFO as metrics.jsonl in a run folder of this project (reading it would wait for a writer forever)."""
+    run_dir = tmp_path / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    (run_dir / common.RUN_LOCK).touch()
+    os.mkfifo(run_dir / "metrics.jsonl")
+    result = run(small(tmp_path, "--run-name", "r", steps=1), cwd=tmp_path, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert f"{run_dir / 'metrics.jsonl'} {LATER['fifo'][1]}" in result.stderr.splitlines()[-1]
 
 
 def test_a_folder_holding_someone_elses_files_is_not_taken(tmp_path):
