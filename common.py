@@ -1638,9 +1638,12 @@ def _write_checkpoint(path: Path, tmp: Path, modules: dict[str, torch.nn.Module]
                 state = _training_state(modules, optimizer)
                 # A weight and its optimizer state in a file of their own: safetensors builds a whole file in
                 # memory before writing it, so a save needs twice the largest weight's state, not the rank's.
-                files = {f"model.{name}": i for i, name in enumerate(state["model"], 1)}
-                files |= {f"optimizer.{name}.{key}": files.get(f"model.{name}", len(files) + 1)
-                          for name, values in state["optimizer"].items() for key in values}
+                number = {name: i for i, name in enumerate(state["model"], 1)}  # each weight's file
+                for name in state["optimizer"]:
+                    number.setdefault(name, len(number) + 1)
+                files = {f"model.{name}": number[name] for name in state["model"]}
+                files |= {f"optimizer.{name}.{key}": number[name] for name, values in state["optimizer"].items()
+                          for key in values}
                 writer = HuggingFaceStorageWriter(str(tmp / TRAINING_STATE), files, save_distributed=distributed)
                 dcp.save(state, storage_writer=writer, no_dist=not distributed)
             cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
