@@ -8,10 +8,10 @@ writes and reads only its own shards), not params.
 The script launches itself with torchrun. Each rank builds the model from tiny_model's config with the
 given sizes (random weights, nothing downloaded), shards it with `common.shard_model`, and takes one AdamW
 step, so the optimizer holds its two moments. Then:
-  save      `runs.save_checkpoint` with the optimizer, as --save-every writes a step (on rank 0 this
+  save      `common.save_checkpoint` with the optimizer, as --save-every writes a step (on rank 0 this
             includes gathering the weights for the step's `save_pretrained` export);
-  export    `runs.save_checkpoint` without it, as `final/` is written: the export alone;
-  resume    a fresh model and optimizer, `runs.load_checkpoint`.
+  export    `common.save_checkpoint` without it, as `final/` is written: the export alone;
+  resume    a fresh model and optimizer, `common.load_checkpoint`.
 Peak growth is VmHWM after the call minus resident memory before it, with VmHWM reset just before
 (/proc/self/clear_refs); "state" is what this rank holds of weights + moments (4 bytes each), for scale.
 Not a test: timings depend on the machine.

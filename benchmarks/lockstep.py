@@ -17,7 +17,7 @@ Shapes (fp32 on CPU, `--dtype auto`):
 Both sample at T=1 without top-k or top-p and take 2 updates per rollout on the whole batch, with beta
 0.04 and a reference model, learning rate 2e-4, gradient clipping at 1.0. TRL runs with
 `gradient_checkpointing=False` and, on CPU, `bf16=False` (it turns both on by default),
-`loss_type="grpo"`, `num_iterations=2`, the same prompts (`data.format_prompt`, chat template) and
+`loss_type="grpo"`, `num_iterations=2`, the same prompts (`common.format_prompt`, chat template) and
 reward (`common.score`); `pip install -r benchmarks/requirements.txt` installs it. On a GPU,
 benchmarks/gpu_recipe.py runs the same comparison at its own shape (`compare`).
 
