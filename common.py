@@ -4,7 +4,7 @@ algorithm's equations: advantages, ratios, clipping, KL and loss aggregation liv
 1. Flags: `cli`, `check_flags`, `require`, `UsageError` (bad input: one line naming the flag and the fix)
 2. Distributed: `setup_distributed`, `cleanup_distributed`, `print0`, `all_reduce`, `no_sync`
 3. Models: `load_tokenizer`, `load_model` (any Hugging Face causal LM, dropout off), `shard_model` (FSDP2)
-4. Data: `load_data` (built-in a+b task, JSONL, `datasets`), `fit_prompts`, `format_prompt`, `prompt_batch`
+4. Data: `load_task` (built-in a+b task, JSONL, `datasets`; prompts that fit), `format_prompt`, `prompt_batch`
 5. Rewards and evaluation: `score` (correctness by math-verify, format, a user's function), `evaluate`
 6. Generation and log-probs: `Rollout`, `generate`, `get_logprobs`, `sampler_logprob_gap`
 7. Metrics and logging: `Logger` (stdout, metrics.jsonl, TensorBoard, W&B), `step_metrics`
@@ -557,6 +557,20 @@ def load_data(dataset: str | None, eval_dataset: str | None, eval_size: int, dat
         raise UsageError(f"--dataset {dataset!r} has {len(train)} rows, too few to hold out --eval-size {eval_size}. "
                          "Pass --eval-dataset or --eval-split, or a smaller --eval-size.")
     return train[:len(train) - eval_size], train[len(train) - eval_size:]  # eval_size 0: all rows train
+
+
+def load_task(args) -> tuple:
+    """(tokenizer, train, held_out, exact, reward_fn): what a run trains on, from the flags, checked before any
+    model is loaded so that bad input fails fast. The tokenizer of --model; the examples of `load_data` whose
+    prompts fit the model (`fit_prompts`); `exact`: the built-in task's answers are compared as whole
+    strings; the --reward-fn function, tried on two examples, or None."""
+    train, held_out = load_data(args.dataset, args.eval_dataset, args.eval_size, args.dataset_config, args.split,
+                                args.eval_split, args.prompt_field, args.answer_field)
+    reward_fn = load_reward_fn(args.reward_fn, train[:2]) if args.reward_fn else None
+    tokenizer = load_tokenizer(args.model)
+    train, held_out = fit_prompts(train, held_out, tokenizer, args.chat_template, args.max_prompt_length,
+                                  args.max_new_tokens, args.model)
+    return tokenizer, train, held_out, args.dataset is None, reward_fn
 
 
 def fit_prompts(train: list[dict], held_out: list[dict], tokenizer, chat_template: bool,

@@ -55,15 +55,12 @@ from common import (
     cli,
     clip_grad_norm,
     evaluate,
-    fit_prompts,
     format_prompt,
     generate,
     get_logprobs,
     load_checkpoint,
-    load_data,
     load_model,
-    load_reward_fn,
-    load_tokenizer,
+    load_task,
     masked_mean,
     mean_metrics,
     no_sync,
@@ -271,8 +268,7 @@ def compute_loss(
 def main(args: Args) -> None:
     check_flags(args)  # the shared flags and the per-rank batch sizes, before anything is loaded or written
     # --- algorithm: GSPO's flags ---
-    if args.group_size < 2:
-        raise UsageError(f"--group-size {args.group_size}: group advantages need at least 2 completions per prompt.")
+    require(args.group_size >= 2, "--group-size", args.group_size, ">= 2 (a group advantage needs 2 completions)")
     require(0 < args.clip_eps_low < 1, "--clip-eps-low", args.clip_eps_low, "in (0, 1)")
     require(args.clip_eps_high > 0, "--clip-eps-high", args.clip_eps_high, "> 0")
     require(args.beta >= 0, "--beta", args.beta, ">= 0 (0 skips the reference model)")
@@ -282,14 +278,8 @@ def main(args: Args) -> None:
     run_info = {"algorithm": Path(__file__).name, "config": asdict(args)}  # recorded in every checkpoint
     run_dir, resume_dir = prepare_run_dir(run_info, rank)  # where it writes, and from what it resumes
 
-    # Data, prompts and the user reward are checked before any model is loaded, so bad input fails fast.
-    train_set, eval_set = load_data(args.dataset, args.eval_dataset, args.eval_size, args.dataset_config, args.split,
-                                    args.eval_split, args.prompt_field, args.answer_field)
-    exact = args.dataset is None  # the built-in task's answers are compared as whole strings
-    reward_fn = load_reward_fn(args.reward_fn, train_set[:2]) if args.reward_fn else None
-    tokenizer = load_tokenizer(args.model)
-    train_set, eval_set = fit_prompts(train_set, eval_set, tokenizer, args.chat_template, args.max_prompt_length,
-                                      args.max_new_tokens, args.model)
+    # The data, its prompts and the user reward, checked before any model is loaded, so bad input fails fast.
+    tokenizer, train_set, eval_set, exact, reward_fn = load_task(args)
 
     # Same seed on every rank while loading, so any newly initialised weights (an added pad token's
     # embedding) are identical; then seed + rank, or every rank would sample the same completions.
