@@ -422,6 +422,14 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
+def check_grad_norm(grad_norm: torch.Tensor, step: int, run_dir: Path) -> None:
+    """Stop the run before the optimizer step when the gradient norm is not finite (the same value on every
+    rank: all stop), naming the checkpoint to go on from. One host sync per optimizer step."""
+    if not torch.isfinite(grad_norm):
+        raise UsageError(f"step {step}: non-finite gradient norm ({grad_norm.item()}); stopped before the optimizer "
+                         f"step. Try a lower --learning-rate, or check --reward-fn. {resume_hint(run_dir)}")
+
+
 def model_positions(name: str, flag: str = "--model") -> int | None:
     """How many positions (prompt and completion together) the model takes, from its config (None: no limit)."""
     config = from_pretrained(AutoConfig, name, flag).get_text_config()
@@ -1789,13 +1797,17 @@ def _read_header(file: Path, where: str) -> dict:
         raise ValueError(f"{where}/{file.name}: not a complete safetensors file ({error})") from None
 
 
-def load_checkpoint(path: Path, modules: dict[str, torch.nn.Module], optimizer, rank: int) -> tuple[int, dict]:
+def load_checkpoint(path: Path | None, modules: dict[str, torch.nn.Module], optimizer, rank: int
+                    ) -> tuple[int, dict]:
     """Restore what `save_checkpoint` wrote: every module's weights and the optimizer state in place (each
     rank reads only its own shards), and this rank's RNG state. Returns (the step to continue from, this
-    rank's algorithm state). Nothing in the folder is unpickled. The number of ranks must be the one that
-    saved: DCP could reshard the weights and optimizer state, but each rank's sampling stream and algorithm
-    state (GVPO's replayed groups) have no counterpart on another count, and a resumed run is meant to be
-    the run that stopped, bitwise. To go on with other hardware, start a new run with `--model <run>/step_N`."""
+    rank's algorithm state); (0, {}) when `path` is None, a run that starts afresh. Nothing in the folder is
+    unpickled. The number of ranks must be the one that saved: DCP could reshard the weights and optimizer
+    state, but each rank's sampling stream and algorithm state (GVPO's replayed groups) have no
+    counterpart on another count, and a resumed run is meant to be the run that stopped, bitwise. To go on
+    with other hardware, start a new run with `--model <run>/step_N`."""
+    if path is None:
+        return 0, {}
     model, state, folder = torch.nn.ModuleDict(modules), _training_state(modules, optimizer), path / TRAINING_STATE
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     try:

@@ -39,6 +39,7 @@ from common import (
     UsageError,
     all_reduce,
     check_flags,
+    check_grad_norm,
     cleanup_distributed,
     cli,
     clip_grad_norm,
@@ -56,7 +57,6 @@ from common import (
     print0,
     prompt_batch,
     require,
-    resume_hint,
     rollout_logprobs,
     sampler_logprob_gap,
     save_checkpoint,
@@ -259,8 +259,7 @@ def main(args: Args) -> None:
     run_info = {"algorithm": Path(__file__).name, "config": asdict(args)}  # recorded in every checkpoint
     run_dir, resume_dir = prepare_run_dir(run_info, rank)  # where it writes, and from what it resumes
 
-    # The data, its prompts and the user reward, checked before any model is loaded, so bad input fails fast.
-    tokenizer, train_set, eval_set, exact, reward_fn = load_task(args)
+    tokenizer, train_set, eval_set, exact, reward_fn = load_task(args)  # before any model: bad input fails fast
 
     # Same seed on every rank while loading, so any newly initialised weights (an added pad token's
     # embedding) are identical; then seed + rank, or every rank would sample the same completions.
@@ -282,9 +281,8 @@ def main(args: Args) -> None:
                                   fused=True)  # one kernel for all the weights
     trained = {"policy": policy}  # saved to and restored from checkpoints
     # ---
-    start_step, state = 0, {}  # state: what the algorithm carries from step to step (per rank, in checkpoints)
-    if resume_dir:  # weights, optimizer, RNG, step and state as saved: the run goes on as if it never stopped
-        start_step, state = load_checkpoint(resume_dir, trained, optimizer, rank)
+    # state: what the algorithm carries from step to step (per rank, in checkpoints), restored with the rest
+    start_step, state = load_checkpoint(resume_dir, trained, optimizer, rank)  # a new run: (0, {})
     # What the update calls: DDP averages gradients over ranks (FSDP2 has sharded in place: nothing to wrap).
     wrapped = {name: DDP(m) if args.world_size > 1 and not args.fsdp else m for name, m in trained.items()}
     model = wrapped["policy"]
@@ -355,10 +353,7 @@ def main(args: Args) -> None:
                     mb_metrics["policy/entropy"] = masked_mean(entropy, b_response_mask[idx])
                     update_metrics.append(mb_metrics)
                 grad_norm = clip_grad_norm(policy.parameters(), args.max_grad_norm)
-                if not torch.isfinite(grad_norm):  # one host sync per optimizer step; the same value on every rank
-                    raise UsageError(f"step {step}: non-finite gradient norm ({grad_norm.item()}); stopped before "
-                                     f"the optimizer step. Try a lower --learning-rate, or check --reward-fn. "
-                                     f"{resume_hint(run_dir)}")
+                check_grad_norm(grad_norm, step, run_dir)  # not finite: the run stops before the optimizer step
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 update_metrics.append({"policy/grad_norm": grad_norm})
