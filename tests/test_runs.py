@@ -227,7 +227,7 @@ def test_bad_batch_sizes(tmp_path):
     main_fails(tmp_path, "--micro-batch-size must divide", micro_batch_size=3)
     main_fails(tmp_path, "--micro-batch-size must divide", micro_batch_size=32)  # larger than the batch
     main_fails(tmp_path, "--num-minibatches must divide", num_minibatches=3)
-    main_fails(tmp_path, "--group-size 1: must be >= 2 (a group advantage needs 2 completions)", group_size=1)
+    main_fails(tmp_path, r"--group-size 1: must be >= 2 \(a group advantage needs 2 completions\)", group_size=1)
 
 
 def test_fsdp_needs_ranks(tmp_path):
