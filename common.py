@@ -239,12 +239,17 @@ def all_reduce(x: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return x
 
 
+def current_device() -> torch.device:
+    """The device this rank computes on (set by `setup_distributed`): its GPU, or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def all_reduce_mean(metrics: dict[str, float | torch.Tensor]) -> dict[str, float]:
     """Scalar metrics (floats or 0-dim tensors) averaged over ranks, so that what rank 0 logs describes the
     whole step: one all-reduce and one device-to-host copy for all of them."""
     if not metrics:
         return {}
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = current_device()
     values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).detach() for v in metrics.values()])
     if dist.is_initialized():
         values = all_reduce(values) / dist.get_world_size()
@@ -1430,11 +1435,12 @@ def _refuse_links(run_dir: Path) -> None:
 
 
 def _claim_run_dir(run_dir: Path, checkpoint: Path | None) -> None:
-    if not _continues(run_dir, checkpoint):
+    continues = _continues(run_dir, checkpoint)
+    if not continues:
         _can_start_in(run_dir)  # before the lock is created in it: a folder of someone else's stays as it was
     _lock(run_dir)
     _refuse_links(run_dir)  # checked again under the lock: another run may have written since start-up
-    if not _continues(run_dir, checkpoint):
+    if not continues:
         _can_start_in(run_dir)
     step = _read_checkpoint_info(checkpoint)["step"] if checkpoint else 0
     kept = "".join(line for n, line in _metrics_lines(checkpoint.parent) if n < step) if checkpoint else ""
@@ -1572,11 +1578,13 @@ def _metrics_lines(run_dir: Path) -> list[tuple[int, str]]:
     out), or a stop naming a line that this project does not write."""
     path, lines = run_dir / "metrics.jsonl", []
     for number, raw in enumerate(path.read_bytes().split(b"\n")[:-1] if path.is_file() else [], 1):
-        with contextlib.suppress(ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        try:
             record = json.loads(raw.decode())
-            if isinstance(record, dict) and type(record.get("step")) is int and record["step"] >= 0:
-                lines.append((record["step"], raw.decode() + "\n"))
-                continue
+        except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+            record = None
+        if isinstance(record, dict) and type(record.get("step")) is int and record["step"] >= 0:
+            lines.append((record["step"], raw.decode() + "\n"))
+            continue
         raise UsageError(f"{path}:{number}: not a line this project writes (a JSON object with an integer 'step'). "
                          f"Delete the line, or move {path.name} out of the folder (the checkpoints do not need it).")
     return lines
@@ -1809,7 +1817,7 @@ def load_checkpoint(path: Path | None, modules: dict[str, torch.nn.Module], opti
     if path is None:
         return 0, {}
     model, state, folder = torch.nn.ModuleDict(modules), _training_state(modules, optimizer), path / TRAINING_STATE
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = current_device()
     try:
         if (folder / ".metadata").exists():
             raise ValueError("it was written in torch.distributed.checkpoint's pickled format, which these files no "
