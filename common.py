@@ -71,6 +71,10 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 ROOT = Path(__file__).resolve().parent  # the repository: a --model inside it is recorded relative to it
 DEFAULT_MODEL = str(ROOT / "tiny_model")  # made by make_tiny_model.py
+# The KV cache's name in forward's arguments and outputs: `cache` from transformers 5.20, `past_key_values`
+# before (the vLLM environment's transformers, pinned by vLLM, is older than requirements.txt's).
+CACHE = "cache" if "cache" in transformers.modeling_outputs.CausalLMOutputWithPast.__dataclass_fields__ else \
+    "past_key_values"
 
 # ---------------------------------------------------------------------------------------------
 # 1. Flags
@@ -104,6 +108,8 @@ FLAG_RULES = [
     ("eval_size", lambda v: v >= 0, ">= 0", ""),
     ("max_prompt_length", lambda v: v is None or v >= 1, ">= 1", "or left out: as long as the model allows"),
     ("dist_timeout", lambda v: 0 < v < math.inf, "> 0", "minutes"),
+    ("correction_cap", lambda v: v >= 1, ">= 1", "pi_old / pi_sampler is 1 where the two agree"),
+    ("vllm_gpu_memory", lambda v: 0 < v <= 1, "in (0, 1]", "a fraction of the GPU's memory"),
 ]
 INFINITE_ALLOWED = {"max_grad_norm"}  # float flags where inf means something (no clipping); any other must be finite
 
@@ -156,6 +162,8 @@ def check_flags(args) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(f"--output-dir {args.output_dir}: {existing} is not writable by this user. Pass a folder you "
                          "can write to.")
+    if args.rollout_correction == "auto":  # another engine's numerics differ from the trainer's
+        args.rollout_correction = "tis" if args.vllm else "none"
     args.world_size = int(os.environ.get("WORLD_SIZE", 1))  # as setup_distributed reads it
     if args.fsdp and args.world_size < 2:
         raise UsageError("--fsdp shards the model over ranks: launch with torchrun --nproc_per_node=2 or more.")
@@ -900,10 +908,10 @@ def score(examples: list[dict], completions: list[str], group_size: int, exact: 
 
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[dict], chat_template: bool, exact: bool, max_new_tokens: int, seed: int,
-             batch_size: int = 256) -> dict[str, float]:
+             batch_size: int = 256, vllm: "VllmEngine | None" = None) -> dict[str, float]:
     """Held-out accuracy: one sample at T=1 (`eval/accuracy`) and greedy (`eval/accuracy_greedy`). Each rank
     scores a strided shard; sampling is seeded and forked, so evaluation neither depends on nor disturbs the
-    training RNG. `perf/eval_s` is its wall time (part of the step's `perf/step_s`)."""
+    training RNG (`vllm`: its engine samples). `perf/eval_s` is its wall time (part of the step's `perf/step_s`)."""
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     start, shard = time.perf_counter(), examples[rank::world_size]
     right = torch.zeros(2, dtype=torch.float64, device=model.device)
@@ -916,7 +924,7 @@ def evaluate(model, tokenizer, examples: list[dict], chat_template: bool, exact:
                 batch, counted = examples[:1], False
             prompts = [format_prompt(tokenizer, e["prompt"], chat_template) for e in batch]
             for j, greedy in enumerate((False, True)):
-                texts = generate(model, tokenizer, prompts, 1, max_new_tokens, 1.0, greedy=greedy).texts
+                texts = generate(model, tokenizer, prompts, 1, max_new_tokens, 1.0, greedy, vllm).texts
                 right[j] += correctness_reward(texts, [e["answer"] for e in batch], exact).sum().item() * counted
     right = all_reduce(right) / len(examples)
     return {"eval/accuracy": right[0].item(), "eval/accuracy_greedy": right[1].item(),
@@ -992,18 +1000,20 @@ class Sampler(LogitsProcessor):
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], group_size: int, max_new_tokens: int, temperature: float,
-             greedy: bool = False) -> Rollout:
-    """Sample `group_size` completions for each prompt text (already formatted) with `model.generate`.
+             greedy: bool = False, vllm: "VllmEngine | None" = None) -> Rollout:
+    """Sample `group_size` completions for each prompt text (already formatted) with `model.generate`, or
+    with `vllm`'s engine after pushing the model's weights to it.
 
     Sampling is plain softmax(logits / T), the distribution every loss here assumes (greedy: argmax),
     whatever the checkpoint's generation_config.json holds: the configuration is built here in full,
     taking only the EOS, pad and BOS ids from the checkpoint's, which is swapped out for the call (else
     transformers would merge its top_k, repetition_penalty, min_new_tokens, ... into sampling)."""
+    if vllm is not None:
+        return vllm.generate(model, tokenizer, prompts, group_size, max_new_tokens, temperature, greedy)
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     prompt_ids = enc.input_ids.repeat_interleave(group_size, dim=0)
     prompt_mask = enc.attention_mask.repeat_interleave(group_size, dim=0)
-    eos_ids = model.generation_config.eos_token_id
-    eos_ids = sorted(set([eos_ids] if isinstance(eos_ids, int) else eos_ids or []) | {tokenizer.eos_token_id} - {None})
+    eos_ids = stop_ids(model, tokenizer)
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id,
                               bos_token_id=model.generation_config.bos_token_id, do_sample=False)  # Sampler draws
     sampler = Sampler(temperature)
@@ -1014,7 +1024,7 @@ def generate(model, tokenizer, prompts: list[str], group_size: int, max_new_toke
     try:
         cache = shared_prompt_cache(model, enc.input_ids, enc.attention_mask, group_size)
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
-                             logits_processor=None if greedy else [sampler], synced_gpus=synced, cache=cache)
+                             logits_processor=None if greedy else [sampler], synced_gpus=synced, **{CACHE: cache})
     finally:
         model.generation_config = checkpoint_config
     P = prompt_ids.shape[1]
@@ -1035,6 +1045,85 @@ def generate(model, tokenizer, prompts: list[str], group_size: int, max_new_toke
                    sampler_logprobs=sampler_logprobs.masked_fill(response_mask == 0, 0.0))
 
 
+def stop_ids(model, tokenizer) -> list[int]:
+    """The tokens that end a completion: the checkpoint's EOS ids (generation_config.json) and the tokenizer's."""
+    eos_ids = unwrap(model).generation_config.eos_token_id
+    return sorted(set([eos_ids] if isinstance(eos_ids, int) else eos_ids or []) | {tokenizer.eos_token_id} - {None})
+
+
+class VllmEngine:
+    """A vLLM engine on this rank's device, in this process, that samples for `generate` (--vllm): paged
+    attention and continuous batching, for long completions on a GPU. Before each call it gets the policy's
+    current weights (it starts with dummy ones), so it samples from the policy being trained
+    (`policy/sampler_logprob_gap` says how close). Sampling is plain softmax(logits / T) as in `generate`
+    (nothing from generation_config.json), with each token's log-prob under that distribution
+    (processed_logprobs). Its random stream is its own (seeded per rank), not in checkpoints: a resumed
+    run samples other completions than the run that stopped. On a GPU it sleeps between calls, freeing
+    its memory for the update."""
+
+    def __init__(self, model, name: str, dtype: str, seed: int, gpu_memory_utilization: float = 0.3):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights in memory
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        try:
+            import vllm
+        except ImportError:
+            raise UsageError("--vllm needs vLLM, in an environment of its own: pip install -r requirements-vllm.txt "
+                             "(see the README)") from None
+        self.vllm, self.gpu = vllm, torch.cuda.is_available()
+        dtype = ("bfloat16" if self.gpu else "float32") if dtype == "auto" else dtype  # as load_model's
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            self.llm = vllm.LLM(
+                name, dtype=dtype, seed=seed, load_format="dummy", skip_tokenizer_init=True, generation_config="vllm",
+                logprobs_mode="processed_logprobs", max_model_len=model_positions(name), enforce_eager=not self.gpu,
+                hf_overrides={"vocab_size": unwrap(model).get_input_embeddings().num_embeddings},  # a pad token added
+                distributed_executor_backend="external_launcher" if dist.is_initialized() else None,
+                enable_sleep_mode=self.gpu, **({"gpu_memory_utilization": gpu_memory_utilization} if self.gpu else {}))
+        if self.gpu:
+            self.llm.sleep(level=2)  # its weights are pushed before each call
+
+    def push(self, model) -> None:
+        """The model's weights into the engine, one tensor at a time (under FSDP each is gathered whole in turn,
+        never the whole model at once), the LM head included where it is tied to the embeddings. Then the
+        prefix cache is emptied: it holds keys and values of the old weights, which prompts longer than a
+        block would reuse."""
+        weights = ((name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor)
+                   for name, tensor in unwrap(model).state_dict().items())
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+
+    @torch.no_grad()
+    def generate(self, model, tokenizer, prompts: list[str], group_size: int, max_new_tokens: int,
+                 temperature: float, greedy: bool = False) -> Rollout:
+        if self.gpu:
+            self.llm.wake_up(tags=["weights"])
+        self.push(model)
+        if self.gpu:
+            self.llm.wake_up(tags=["kv_cache"])
+        prompt_ids = tokenizer(prompts, add_special_tokens=False).input_ids
+        eos_ids = stop_ids(model, tokenizer)
+        params = self.vllm.SamplingParams(n=group_size, temperature=0.0 if greedy else temperature, logprobs=0,
+                                          max_tokens=max_new_tokens, stop_token_ids=eos_ids, detokenize=False)
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        if self.gpu:
+            self.llm.sleep(level=2)
+        rows = [(ids, list(out.token_ids), [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)])
+                for ids, request in zip(prompt_ids, outputs) for out in request.outputs]
+        P, L = max(len(ids) for ids, _, _ in rows), max(len(response) for _, response, _ in rows)
+        input_ids = torch.full((len(rows), P + L), tokenizer.pad_token_id)
+        attention_mask, sampler_logprobs = torch.zeros_like(input_ids), torch.zeros(len(rows), L)
+        for i, (ids, response, logprobs) in enumerate(rows):
+            input_ids[i, P - len(ids) : P + len(response)] = torch.tensor(ids + response)
+            attention_mask[i, P - len(ids) : P + len(response)] = 1
+            sampler_logprobs[i, : len(response)] = torch.tensor(logprobs) * (not greedy)
+        truncated = torch.tensor([response[-1] not in eos_ids for _, response, _ in rows])
+        texts = tokenizer.batch_decode([response[:len(response) - (not cut)] for (_, response, _), cut
+                                        in zip(rows, truncated.tolist())], skip_special_tokens=True)
+        device = current_device()
+        return Rollout(input_ids.to(device), attention_mask.to(device), attention_mask[:, P:].float().to(device), P,
+                       texts, truncated.to(device), sampler_logprobs.to(device))
+
+
 def shared_prompt_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int):
     """The KV cache of each prompt's tokens but its last, computed once per prompt and repeated for its
     `group_size` rows, for `model.generate` to go on from. None where there is nothing to share or the
@@ -1042,8 +1131,8 @@ def shared_prompt_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     if not on_every_rank(model, group_size > 1 and prompt_ids.shape[1] > 1, prompt_ids.device):
         return None
     ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]
-    cache = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True,
-                  logits_to_keep=1).cache
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True, logits_to_keep=1)
+    cache = getattr(out, CACHE)
     if not plain_cache(cache, ids.shape[1]):
         return None
     cache.batch_repeat_interleave(group_size)
@@ -1098,11 +1187,11 @@ def response_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch
         prompt_ids, prompt_mask = prompts[:, :P], prompts[:, P:]
         first = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
                       use_cache=True, output_hidden_states=True, **forward_kwargs)
-        cache = first.cache
+        cache = getattr(first, CACHE)
         if plain_cache(cache, P):
             cache.batch_select_indices(row_prompt)  # each row's prompt keys and values; gradients add up over rows
             rest = model(input_ids=input_ids[:, P:], attention_mask=attention_mask,
-                         position_ids=position_ids(attention_mask)[:, P:], cache=cache, use_cache=True,
+                         position_ids=position_ids(attention_mask)[:, P:], **{CACHE: cache}, use_cache=True,
                          output_hidden_states=True, **forward_kwargs)
             return torch.cat([first.hidden_states[-1][row_prompt, -1:], rest.hidden_states[-1][:, :-1]], 1)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
@@ -1158,17 +1247,50 @@ def rollout_logprobs(model, rollout: Rollout, temperature: float, micro_batch_si
                                    entropy=False)[0] for i in range(0, len(ids), n)] or [rollout.response_mask.float()])
 
 
-def sampler_logprob_gap(sampler_logprobs: torch.Tensor, logprobs: torch.Tensor, response_mask: torch.Tensor
-                        ) -> dict[str, torch.Tensor]:
+def sampler_logprob_gap(sampler_logprobs: torch.Tensor, logprobs: torch.Tensor, response_mask: torch.Tensor,
+                        correction: str = "none", cap: float = 2.0) -> dict[str, torch.Tensor]:
     """How far the trainer's log-probs (B, L) of the sampled tokens are from the sampler's, over every rank's
     response tokens: `policy/sampler_logprob_gap` (mean |difference|) and `_max`. Both are ~1e-6 when the two
     compute the same distribution in fp32; a large value means the completions were not drawn from the
-    distribution that the loss assumes."""
+    distribution that the loss assumes. With a `correction`, what it did: the mean of its weights and the
+    fraction of tokens truncated (tis: w > cap) or masked (mis: w outside [1/cap, cap])."""
     mask = response_mask.bool()
     difference = torch.where(mask, (sampler_logprobs - logprobs).abs(), 0.0).double()  # (B, L)
-    total = all_reduce(torch.stack([difference.sum(), mask.sum().double()]))
+    sums = [difference.sum(), mask.sum().double()]
+    weights = rollout_weights(logprobs, sampler_logprobs, correction, cap)
+    if weights is not None:
+        changed = weights < (logprobs - sampler_logprobs).exp() if correction == "tis" else weights == 0
+        sums += [(weights * mask).sum().double(), (changed & mask).sum().double()]
+    total = all_reduce(torch.stack(sums))
+    mean = total / total[1].clamp(min=1)  # over the response tokens
     largest = all_reduce(difference.max() if difference.numel() else difference.new_zeros(()), "max")
-    return {"policy/sampler_logprob_gap": total[0] / total[1].clamp(min=1), "policy/sampler_logprob_gap_max": largest}
+    metrics = {"policy/sampler_logprob_gap": mean[0], "policy/sampler_logprob_gap_max": largest}
+    if weights is not None:
+        changed = "truncated" if correction == "tis" else "masked"
+        metrics |= {"policy/correction_weight_mean": mean[2], f"policy/correction_{changed}_frac": mean[3]}
+    return metrics
+
+
+def rollout_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, correction: str, cap: float
+                    ) -> torch.Tensor | None:
+    """The rollout correction's per-token weights (B, L), without gradient; None for "none". A sampler other
+    than the trainer (vLLM: bf16, its own kernels) draws from a distribution pi_s that is not the trainer's
+    pi_old even at the same weights, so each token's term of the loss is weighted by w = pi_old / pi_s:
+    "tis": min(w, cap), truncated importance sampling (Yao et al. 2025); "mis": 1 where 1/cap <= w <= cap,
+    else 0, the token left out (masked importance sampling, IcePop). Positions after EOS (both 0) get 1."""
+    if correction == "none":
+        return None
+    ratio = (old_logprobs - sampler_logprobs).clamp(-20, 20).exp().detach()  # (B, L) pi_old / pi_s
+    if correction == "tis":
+        return ratio.clamp(max=cap)
+    return ((ratio >= 1 / cap) & (ratio <= cap)).to(ratio.dtype)
+
+
+def reweighted(logprobs: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """`logprobs` (B, L) with the same values and each token's gradient multiplied by its weight (None: as they
+    are). Every loss here reaches the policy's weights through the log-probs only, so every term of a token's
+    loss is weighted, whatever the loss, and the normaliser (tokens, sequences) stays as it is."""
+    return logprobs if weights is None else weights * logprobs + (1 - weights) * logprobs.detach()
 
 
 # ---------------------------------------------------------------------------------------------

