@@ -3,10 +3,12 @@ algorithm's equations: advantages, ratios, clipping, KL and loss aggregation liv
 
 1. Flags: `cli`, `check_flags`, `require`, `UsageError` (bad input: one line naming the flag and the fix)
 2. Distributed: `setup_distributed`, `cleanup_distributed`, `print0`, `all_reduce`, `no_sync`
-3. Models: `load_tokenizer`, `load_model` (any Hugging Face causal LM, dropout off), `shard_model` (FSDP2)
+3. Models: `load_tokenizer`, `load_model` (any Hugging Face causal LM, dropout off), `add_lora` (peft),
+   `load_reference` (a frozen copy, or the policy with its adapters off), `shard_model` (FSDP2)
 4. Data: `load_task` (built-in a+b task, JSONL, `datasets`; prompts that fit), `format_prompt`, `prompt_batch`
 5. Rewards and evaluation: `score` (correctness by math-verify, format, a user's function), `evaluate`
-6. Generation and log-probs: `Rollout`, `generate`, `get_logprobs`, `sampler_logprob_gap`
+6. Generation and log-probs: `Rollout`, `generate` (`model.generate`, or `VllmEngine`), `get_logprobs`,
+   `sampler_logprob_gap`, `rollout_weights` and `reweighted` (the rollout correction)
 7. Metrics and logging: `Logger` (stdout, metrics.jsonl, TensorBoard, W&B), `step_metrics`
 8. Run folder: `prepare_run_dir`, `claim_run_dir`, `resume_hint` (the rules: docs/checkpoints.md)
 9. Checkpoints: `save_checkpoint`, `load_checkpoint` (torch.distributed.checkpoint, safetensors only)
@@ -109,6 +111,8 @@ FLAG_RULES = [
     ("max_prompt_length", lambda v: v is None or v >= 1, ">= 1", "or left out: as long as the model allows"),
     ("dist_timeout", lambda v: 0 < v < math.inf, "> 0", "minutes"),
     ("correction_cap", lambda v: v >= 1, ">= 1", "pi_old / pi_sampler is 1 where the two agree"),
+    ("lora_rank", lambda v: v >= 0, ">= 0", "0: full fine-tuning"),
+    ("lora_alpha", lambda v: v > 0, "> 0", "the adapters' scale is alpha / rank"),
     ("vllm_gpu_memory", lambda v: 0 < v <= 1, "in (0, 1]", "a fraction of the GPU's memory"),
 ]
 INFINITE_ALLOWED = {"max_grad_norm"}  # float flags where inf means something (no clipping); any other must be finite
@@ -300,6 +304,9 @@ def from_pretrained(auto_class, name: str, flag: str = "--model", **kwargs):
     path = Path(name).expanduser()
     if not path.exists() and (name.startswith((".", "/", "~")) or name.count("/") > 1):
         raise UsageError(f"{flag} {name!r}: no such folder. Pass an existing folder or a Hugging Face model name.")
+    if (path / "adapter" / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+        raise UsageError(f"{flag} {name!r}: a step checkpoint of a LoRA run holds its adapters (adapter/), not a "
+                         "model. Go on with --resume, or start from the run's final/ (the merged model).")
     if (path / "config.json").is_file():
         try:
             config = json.loads((path / "config.json").read_text())
@@ -367,7 +374,8 @@ def load_model(name: str, dtype: str, device: torch.device, tokenizer, auto_clas
     if model.get_output_embeddings() is not None:
         check_output_logits(model, name, flag)
     if gradient_checkpointing:  # dropout is off: train mode changes nothing else
-        model.activation_checkpointing_enable({"use_reentrant": False})
+        enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)  # < 5.20
+        enable({"use_reentrant": False})
         model.train()
     return model
 
@@ -427,6 +435,70 @@ def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module
         if type(module).__name__ in layer_classes:
             fully_shard(module, mp_policy=mp)
     return fully_shard(model, mp_policy=mp)
+
+
+def add_lora(model, rank: int, alpha: float, targets: str):
+    """`model` with LoRA adapters (peft) of `rank` on `targets` ("all-linear": every linear layer of the
+    transformer blocks, not the LM head; or comma-separated module names), the only weights trained; the
+    model itself when `rank` is 0. Dropout 0: the trained distribution must be the sampled one."""
+    if not rank:
+        return model
+    try:
+        import peft
+    except ImportError:
+        raise UsageError("--lora-rank needs peft: pip install peft") from None
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0,
+                             target_modules=targets if targets == "all-linear" else targets.split(","))
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning)  # peft on transformers' renamed attributes
+            return peft.get_peft_model(model, config).train(model.training)  # in the mode the model was
+    except (ValueError, TypeError) as e:  # no module matched, or one of a type peft does not adapt
+        raise UsageError(f"--lora-targets {targets}: {str(e).splitlines()[0]} Name modules of the model's "
+                         "transformer blocks (e.g. q_proj,v_proj), or leave it at all-linear.") from None
+
+
+def is_lora(model) -> bool:
+    return getattr(unwrap(model), "peft_config", None) is not None
+
+
+class AdaptersOff:
+    """The policy with its LoRA adapters switched off: the base model it started from, the frozen
+    reference, without a second copy of the weights (for `get_logprobs`, which reaches it via `module`)."""
+
+    def __init__(self, policy):
+        self.module = policy
+
+    def __call__(self, *args, **kwargs):
+        with self.module.disable_adapter():
+            return self.module(*args, **kwargs)
+
+
+def load_reference(args, policy, tokenizer, device: torch.device):
+    """The frozen reference model: with LoRA the policy with its adapters off; else a copy of --model (with
+    the loading seed, as the policy), sharded like the policy under --fsdp."""
+    if is_lora(policy):
+        return AdaptersOff(unwrap(policy))
+    torch.manual_seed(args.seed)
+    reference = load_model(args.model, args.dtype, device, tokenizer).eval().requires_grad_(False)
+    return shard_model(reference, device) if args.fsdp else reference
+
+
+def plain_weights(model, state: dict | None = None):
+    """(name, tensor) of the model's weights as plain transformers names them, one at a time: under FSDP each
+    gathered whole in turn; with LoRA each adapted weight merged, W + scale * B A, out of place (the
+    adapters stay as they are). `state`: a full state dict of the model to read instead of its own."""
+    peft_model = unwrap(model)
+    state = peft_model.state_dict() if state is None else state
+    for key, value in state.items():
+        if ".lora_" in key:
+            continue
+        value, layer = value.full_tensor() if isinstance(value, DTensor) else value, key.rsplit(".base_layer.", 1)[0]
+        if key.endswith(".base_layer.weight") and f"{layer}.lora_A.default.weight" in state:
+            a, b = (state[f"{layer}.lora_{x}.default.weight"] for x in "AB")
+            a, b = (x.full_tensor() if isinstance(x, DTensor) else x for x in (a, b))
+            value = value + peft_model.get_submodule(layer).scaling["default"] * b @ a
+        yield key.removeprefix("base_model.model.").replace(".base_layer.", "."), value
 
 
 def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
@@ -1083,13 +1155,11 @@ class VllmEngine:
             self.llm.sleep(level=2)  # its weights are pushed before each call
 
     def push(self, model) -> None:
-        """The model's weights into the engine, one tensor at a time (under FSDP each is gathered whole in turn,
-        never the whole model at once), the LM head included where it is tied to the embeddings. Then the
-        prefix cache is emptied: it holds keys and values of the old weights, which prompts longer than a
-        block would reuse."""
-        weights = ((name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor)
-                   for name, tensor in unwrap(model).state_dict().items())
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        """The model's weights into the engine, one tensor at a time (`plain_weights`: under FSDP each gathered
+        in turn, never the whole model at once; LoRA merged), the LM head included where it is tied to the
+        embeddings. Then the prefix cache is emptied: it holds keys and values of the old weights, which
+        prompts longer than a block would reuse."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": plain_weights(model)})
         self.llm.reset_prefix_cache()
 
     @torch.no_grad()
@@ -1182,7 +1252,8 @@ def response_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch
     P, hf_model = prompt_length, unwrap(model)
     prompts, row_prompt = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], 1), dim=0,
                                        return_inverse=True)  # (N, 2P) distinct prompts; (B,) each row's
-    checkpointed = torch.is_grad_enabled() and hf_model.training and hf_model.is_activation_checkpointing
+    checkpointed = torch.is_grad_enabled() and hf_model.training and (hf_model.is_activation_checkpointing if hasattr(
+        hf_model, "is_activation_checkpointing") else hf_model.is_gradient_checkpointing)  # transformers < 5.20
     if on_every_rank(model, len(prompts) < len(input_ids) and not checkpointed, input_ids.device):
         prompt_ids, prompt_mask = prompts[:, :P], prompts[:, P:]
         first = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
@@ -1811,7 +1882,13 @@ def _write_checkpoint(path: Path, tmp: Path, modules: dict[str, torch.nn.Module]
     if rank == 0 and error is None:
         try:
             with transformers_quiet():
-                unwrap(policy).save_pretrained(tmp, state_dict=weights)
+                hf_model = unwrap(policy)
+                if is_lora(policy):  # the adapters, for PeftModel.from_pretrained; in final/ the merged model too
+                    hf_model.save_pretrained(tmp / "adapter", state_dict=weights)
+                if not is_lora(policy):
+                    hf_model.save_pretrained(tmp, state_dict=weights)
+                elif optimizer is None:
+                    hf_model.get_base_model().save_pretrained(tmp, state_dict=dict(plain_weights(policy, weights)))
             tokenizer.save_pretrained(tmp)
             info = {"algorithm": run_info["algorithm"], "step": step, "resumable": optimizer is not None,
                     "world_size": dist.get_world_size() if distributed else 1, "config": recorded(run_info["config"])}
@@ -1874,17 +1951,23 @@ def _write_error(error: BaseException) -> str:
 
 
 def _training_state(modules: dict[str, torch.nn.Module], optimizer) -> dict:
-    """The resumable state as DCP writes it, tensors only: every module's weights, each rank's own (FSDP: its
-    shards, as DTensors), a weight tied to another (an LM head tied to the embeddings) once; and the
-    optimizer's per-parameter state (its hyper-parameters are the flags')."""
+    """The resumable state as DCP writes it, tensors only: every module's trained weights (with LoRA the
+    adapters: the frozen rest is --model's), each rank's own (FSDP: its shards, as DTensors), a weight tied
+    to another (an LM head tied to the embeddings) once; and the optimizer's per-parameter state (its
+    hyper-parameters are the flags')."""
     model = torch.nn.ModuleDict(modules)  # names the tensors "policy.<...>", "critic.<...>"
-    weights, seen = {}, set()
-    for name, tensor in get_model_state_dict(model).items():
+
+    def where(tensor: torch.Tensor) -> tuple | None:  # None for an empty shard
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        where = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape))
-        if not (local.numel() and where in seen):  # tied: restored through the tensor it shares
+        return (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape)) if local.numel() \
+            else None
+
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    weights, seen = {}, {where(p) for p in model.parameters() if not p.requires_grad} - {None}
+    for name, tensor in get_model_state_dict(model).items():  # a tied or frozen weight under another name too
+        if name not in frozen and (where(tensor) is None or where(tensor) not in seen):
             weights[name] = tensor
-        seen.add(where)
+        seen.add(where(tensor))
     return {"model": weights, "optimizer": get_optimizer_state_dict(model, optimizer)["state"]}
 
 

@@ -44,6 +44,7 @@ from common import (
     Logger,
     UsageError,
     VllmEngine,
+    add_lora,
     all_reduce,
     check_flags,
     check_grad_norm,
@@ -56,6 +57,7 @@ from common import (
     get_logprobs,
     load_checkpoint,
     load_model,
+    load_reference,
     load_task,
     masked_mean,
     mean_metrics,
@@ -177,6 +179,14 @@ class OptimizationFlags:
     scoring must fit in it)"""
     gradient_checkpointing: bool = False
     """recompute each layer's activations in the backward pass: less activation memory, ~1/3 more compute"""
+    lora_rank: int = 0
+    """train LoRA adapters of this rank instead of the whole model (pip install peft; the reference model is
+    then the policy with its adapters off, no copy); 0: full fine-tuning"""
+    lora_alpha: float = 16.0
+    """the adapters' scale is lora-alpha / lora-rank (their dropout is 0: the trained distribution must be the
+    sampled one)"""
+    lora_targets: str = "all-linear"
+    """modules that get adapters: all-linear (every linear layer of the transformer blocks) or names, q_proj,v_proj"""
     max_grad_norm: float = 1.0
     """gradient clipping (verl and the DAPO script use 1.0)"""
     weight_decay: float = 0.0
@@ -281,15 +291,11 @@ def main(args: Args) -> None:
     # embedding) are identical; then seed + rank, or every rank would sample the same completions.
     torch.manual_seed(args.seed)
     policy = load_model(args.model, args.dtype, device, tokenizer, gradient_checkpointing=args.gradient_checkpointing)
+    policy = add_lora(policy, args.lora_rank, args.lora_alpha, args.lora_targets)  # as it is with --lora-rank 0
     if args.fsdp:  # sharded in place; FSDP2 averages gradients over ranks, as DDP does
         shard_model(policy, device)
     # --- algorithm: the reference model, the frozen initial policy (not loaded at all when beta = 0) ---
-    ref_policy = None
-    if args.beta > 0:
-        torch.manual_seed(args.seed)
-        ref_policy = load_model(args.model, args.dtype, device, tokenizer).eval().requires_grad_(False)
-        if args.fsdp:
-            shard_model(ref_policy, device)
+    ref_policy = load_reference(args, policy, tokenizer, device) if args.beta > 0 else None
     # ---
     torch.manual_seed(args.seed + rank)
     # --- algorithm: what the optimizer trains: the policy ---

@@ -155,12 +155,13 @@ def plot(rows: list[dict], path: Path, title: str) -> bool:
               ("completions", "eval_accuracy", "held-out accuracy (sampled, T=1)")]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     for ax, (x_key, y_key, y_label) in zip(axes, panels):
-        for config, seeds in curves(rows, y_key).items():
+        for k, (config, seeds) in enumerate(curves(rows, y_key).items()):
             runs = list(seeds.values())
             n = min(len(r) for r in runs)  # evaluations every seed has
             x = [statistics.mean(r[i][x_key] for r in runs) for i in range(n)]  # completions differ by seed
             ys = [[r[i][y_key] for r in runs] for i in range(n)]
-            line, = ax.plot(x, [statistics.mean(y) for y in ys], label=f"{config} ({len(runs)} seeds)")
+            line, = ax.plot(x, [statistics.mean(y) for y in ys], label=f"{config} ({len(runs)} seeds)",
+                            linestyle="-" if k < 10 else "--")  # the colour cycle has 10 colours
             ax.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.15)
         ax.set_xlabel({"step": "training step", "completions": "completions sampled"}[x_key])
         ax.set_ylabel(y_label)

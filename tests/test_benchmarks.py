@@ -42,6 +42,12 @@ def test_memory_formula_counts_parameters_like_the_model():
     assert shape.params == sum(p.numel() for p in model.parameters()) - 3 * 2 * 16
 
 
+def test_lora_memory_benchmark_runs():
+    result = run(["-m", "benchmarks.lora_memory", "--layers", "1", "--vocab", "1000", "--steps", "1"], cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert "peak memory, full fine-tuning:" in result.stdout and "LoRA rank 8:" in result.stdout
+
+
 def test_step_time_benchmark_runs():
     result = run(["-m", "benchmarks.step_time", "--steps", "3", "--files", "grpo", "--no-scaling",
                   "--extra=--prompts-per-step 4 --group-size 4"], cwd=ROOT)

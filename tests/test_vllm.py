@@ -178,3 +178,15 @@ def test_the_gpu_recipe_runs_on_a_cpu(vllm_python, tmp_path):
     assert figures["generate"]["gen_tokens_per_s"] > 0 and figures["vllm"]["gen_tokens_per_s"] > 0
     assert figures["vllm"]["sampler_logprob_gap_max"] <= GAP  # fp32 on a CPU
     assert "sampler_logprob_gap" in figures["generate"] and "correction_weight_mean" not in figures["generate"]
+
+
+def test_lora_adapters_merged_into_the_engine(vllm_python, tmp_path):
+    """With --lora-rank the engine gets each adapted weight merged (W + scale B A) under its plain name: it
+    samples from the adapted policy, as the gap shows while the adapters train."""
+    result = run_vllm(vllm_python, ["grpo.py", "--vllm", "--lora-rank", "8", "--learning-rate", "2e-3", *FIVE_STEPS,
+                                    "--output-dir", str(tmp_path)], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-5000:]
+    metrics = read_metrics(tmp_path / "r")
+    for m in metrics:
+        assert m["policy/sampler_logprob_gap_max"] <= GAP, m
+    assert metrics[-1]["policy/approx_kl"] > 0  # the adapters did change the policy
