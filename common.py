@@ -1165,11 +1165,11 @@ class VllmEngine:
     @torch.no_grad()
     def generate(self, model, tokenizer, prompts: list[str], group_size: int, max_new_tokens: int,
                  temperature: float, greedy: bool = False) -> Rollout:
-        if self.gpu:
+        if self.gpu:  # asleep (level 2: nothing kept): memory for the weights, the weights, then the rest
             self.llm.wake_up(tags=["weights"])
         self.push(model)
         if self.gpu:
-            self.llm.wake_up(tags=["kv_cache"])
+            self.llm.wake_up()
         prompt_ids = tokenizer(prompts, add_special_tokens=False).input_ids
         eos_ids = stop_ids(model, tokenizer)
         params = self.vllm.SamplingParams(n=group_size, temperature=0.0 if greedy else temperature, logprobs=0,
