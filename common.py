@@ -278,6 +278,11 @@ def no_sync(models, last: bool) -> contextlib.ExitStack:
     return stack
 
 
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered whole on every rank (collective: every rank calls it), any other tensor as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The Hugging Face model inside a DDP wrapper (FSDP2 shards in place: nothing to unwrap)."""
     return getattr(model, "module", model)
@@ -493,10 +498,9 @@ def plain_weights(model, state: dict | None = None):
     for key, value in state.items():
         if ".lora_" in key:
             continue
-        value, layer = value.full_tensor() if isinstance(value, DTensor) else value, key.rsplit(".base_layer.", 1)[0]
+        value, layer = whole(value), key.rsplit(".base_layer.", 1)[0]
         if key.endswith(".base_layer.weight") and f"{layer}.lora_A.default.weight" in state:
-            a, b = (state[f"{layer}.lora_{x}.default.weight"] for x in "AB")
-            a, b = (x.full_tensor() if isinstance(x, DTensor) else x for x in (a, b))
+            a, b = (whole(state[f"{layer}.lora_{x}.default.weight"]) for x in "AB")
             value = value + peft_model.get_submodule(layer).scaling["default"] * b @ a
         yield key.removeprefix("base_model.model.").replace(".base_layer.", "."), value
 
@@ -504,7 +508,7 @@ def plain_weights(model, state: dict | None = None):
 def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
     """`clip_grad_norm_` that returns the total norm as a plain tensor, also for FSDP's sharded gradients."""
     norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return whole(norm)
 
 
 def check_grad_norm(grad_norm: torch.Tensor, step: int, run_dir: Path) -> None:

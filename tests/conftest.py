@@ -11,14 +11,16 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 
-def run(args: list[str], cwd: Path, torchrun: int = 0, timeout: int = 1800) -> subprocess.CompletedProcess:
-    """Run a script of the repo (first arg) as a user would: `python x.py ...` or `torchrun ... x.py ...`.
+def run(args: list[str], cwd: Path, torchrun: int = 0, timeout: int = 1800, python: str = sys.executable,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run a script of the repo (first arg) as a user would: `python x.py ...` or `torchrun ... x.py ...`, with
+    `python` (another environment's) and `env` added to the environment.
     The timeout only stops a run that hangs: it is several times the longest run's time on a loaded machine."""
     script = str(ROOT / args[0]) if args[0].endswith(".py") else args[0]
-    launcher = [sys.executable]
+    launcher = [python]
     if torchrun:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run(launcher + [script, *args[1:]], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
 

