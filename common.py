@@ -6,7 +6,7 @@ algorithm's equations: advantages, ratios, clipping, KL and loss aggregation liv
 3. Models: `load_tokenizer`, `load_model` (any Hugging Face causal LM, dropout off), `add_lora` (peft),
    `load_reference` (a frozen copy, or the policy with its adapters off), `shard_model` (FSDP2)
 4. Data: `load_task` (built-in a+b task, JSONL, `datasets`; prompts that fit), `format_prompt`, `prompt_batch`
-5. Rewards and evaluation: `score` (correctness by math-verify, format, a user's function), `evaluate`
+5. Rewards and evaluation: `score` (correctness, exact or by math-verify; format; a user's function), `evaluate`
 6. Generation and log-probs: `Rollout`, `generate` (`model.generate`, or `VllmEngine`), `get_logprobs`,
    `sampler_logprob_gap`, `rollout_weights` and `reweighted` (the rollout correction)
 7. Metrics and logging: `Logger` (stdout, metrics.jsonl, TensorBoard, W&B), `step_metrics`
@@ -17,7 +17,6 @@ algorithm's equations: advantages, ratios, clipping, KL and loss aggregation liv
 import contextlib
 import dataclasses
 import datetime
-import errno
 import fcntl
 import functools
 import importlib
@@ -25,62 +24,43 @@ import importlib.util
 import json
 import math
 import os
-import pickle
 import random
 import re
 import resource
-import select
 import shlex
 import shutil
-import stat
-import subprocess
 import sys
 import time
 import warnings
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Annotated
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.state_dict as dcp_state
 import torch.nn.functional as F
 import transformers
 import tyro
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    DynamicCache,
-    GenerationConfig,
-    LogitsProcessor,
-)
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor
 
-ROOT = Path(__file__).resolve().parent  # the repository: a --model inside it is recorded relative to it
-DEFAULT_MODEL = str(ROOT / "tiny_model")  # made by make_tiny_model.py
+HERE = Path(__file__).resolve().parent
+DEFAULT_MODEL = str(HERE / "tiny_model")  # made by make_tiny_model.py
 # The KV cache's name in forward's arguments and outputs: `cache` from transformers 5.20, `past_key_values`
-# before (the vLLM environment's transformers, pinned by vLLM, is older than requirements.txt's).
+# before (vLLM's CPU build, which the tests use, pins an older transformers than requirements.txt).
 CACHE = "cache" if "cache" in transformers.modeling_outputs.CausalLMOutputWithPast.__dataclass_fields__ else \
     "past_key_values"
 
-# ---------------------------------------------------------------------------------------------
-# 1. Flags
-# ---------------------------------------------------------------------------------------------
+
+# 1. Flags -------------------------------------------------------------------------------------------------------
 
 
 class UsageError(ValueError):
@@ -95,27 +75,25 @@ FLAG_RULES = [
     ("group_size", lambda v: v >= 1, ">= 1", ""),
     ("max_new_tokens", lambda v: v >= 1, ">= 1", "each completion has at least its EOS token"),
     ("seed", lambda v: 0 <= v < 2**63, "in [0, 2**63)", "torch's seeds are 64-bit; each rank adds its rank"),
-    ("temperature", lambda v: 0.01 <= v < math.inf, ">= 0.01", "the log-probs divide the logits by it, and below "
-     "0.01 float32 log-probs lose the precision a ratio needs; for sharper sampling try 0.5, and "
-     "eval/accuracy_greedy reports greedy decoding"),
-    ("learning_rate", lambda v: 0 < v < math.inf, "> 0", ""),
+    ("temperature", lambda v: v >= 0.01, ">= 0.01", "the log-probs divide the logits by it, and below 0.01 float32 "
+     "loses the precision a ratio needs; eval/accuracy_greedy reports greedy decoding"),
+    ("learning_rate", lambda v: v > 0, "> 0", ""),
     ("updates_per_rollout", lambda v: v >= 1, ">= 1", ""),
     ("num_minibatches", lambda v: v >= 1, ">= 1", ""),
     ("micro_batch_size", lambda v: v is None or v >= 1, ">= 1", "or left out: the whole minibatch"),
-    ("max_grad_norm", lambda v: 0 < v <= math.inf, "> 0", "inf: no clipping"),
-    ("weight_decay", lambda v: 0 <= v < math.inf, ">= 0", ""),
+    ("max_grad_norm", lambda v: v > 0, "> 0", "inf: no clipping"),
+    ("weight_decay", lambda v: v >= 0, ">= 0", ""),
     ("eval_every", lambda v: v >= 0, ">= 0", "0: never evaluate"),
     ("save_every", lambda v: v >= 0, ">= 0", "0: only the final weights"),
     ("keep_checkpoints", lambda v: v >= 0, ">= 0", "0: keep all"),
     ("eval_size", lambda v: v >= 0, ">= 0", ""),
     ("max_prompt_length", lambda v: v is None or v >= 1, ">= 1", "or left out: as long as the model allows"),
-    ("dist_timeout", lambda v: 0 < v < math.inf, "> 0", "minutes"),
+    ("dist_timeout", lambda v: v > 0, "> 0", "minutes"),
     ("correction_cap", lambda v: v >= 1, ">= 1", "pi_old / pi_sampler is 1 where the two agree"),
     ("lora_rank", lambda v: v >= 0, ">= 0", "0: full fine-tuning"),
     ("lora_alpha", lambda v: v > 0, "> 0", "the adapters' scale is alpha / rank"),
     ("vllm_gpu_memory", lambda v: 0 < v <= 1, "in (0, 1]", "a fraction of the GPU's memory"),
 ]
-INFINITE_ALLOWED = {"max_grad_norm"}  # float flags where inf means something (no clipping); any other must be finite
 
 
 def cli(args_class, args: list[str] | None = None):
@@ -139,12 +117,11 @@ def require(valid: bool, flag: str, value, must: str) -> None:
 
 
 def check_flags(args) -> None:
-    """The shared flags, before anything is loaded or written: one line naming the flag, the value and
-    what it must be. Sets the per-rank sizes (args.world_size, local_prompts_per_step, local_batch_size,
-    minibatch_size, micro_batch_size). Each algorithm file checks its own flags after this (`require`)."""
-    for field in dataclasses.fields(args):  # every float flag, the algorithm's too: nan and inf pass any comparison
+    """The shared flags, before anything is loaded or written, and the per-rank batch sizes (args.world_size,
+    local_prompts_per_step, ...). Each algorithm file checks its own flags after this (`require`)."""
+    for field in dataclasses.fields(args):  # every float flag, the algorithm's too: nan passes any comparison
         value = getattr(args, field.name)
-        if isinstance(value, float) and not math.isfinite(value) and field.name not in INFINITE_ALLOWED:
+        if isinstance(value, float) and not math.isfinite(value) and (field.name, value) != ("max_grad_norm", math.inf):
             raise UsageError(f"--{field.name.replace('_', '-')} {value}: must be a finite number.")
     for name, valid, must, why in FLAG_RULES:
         value = getattr(args, name)
@@ -152,20 +129,9 @@ def check_flags(args) -> None:
     if args.eval_every and args.eval_size == 0 and args.eval_dataset is None and args.eval_split is None:
         raise UsageError(f"--eval-size 0 leaves nothing to evaluate every --eval-every {args.eval_every} steps: pass "
                          "--eval-every 0, a positive --eval-size, or --eval-dataset.")
-    if args.run_name is not None and (args.run_name in ("", ".", "..") or re.search(r"[/\\]", args.run_name)):
+    if args.run_name is not None and (args.run_name in ("", ".", "..") or "/" in args.run_name):
         raise UsageError(f"--run-name {args.run_name!r}: must be a folder name under --output-dir, without '/' "
                          "(pass --output-dir for another place).")
-    output = Path(args.output_dir).expanduser()
-    existing = next(p for p in (output, *output.parents) if p.exists())
-    longest = os.pathconf(existing, "PC_NAME_MAX")
-    if args.run_name is not None and len(args.run_name.encode()) > longest:
-        raise UsageError(f"--run-name: {len(args.run_name.encode())} bytes, longer than the {longest} that a folder "
-                         "name may have here. Choose a shorter one.")
-    if not existing.is_dir():
-        raise UsageError(f"--output-dir {args.output_dir}: {existing} is a file, not a folder. Pass a folder.")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"--output-dir {args.output_dir}: {existing} is not writable by this user. Pass a folder you "
-                         "can write to.")
     if args.rollout_correction == "auto":  # another engine's numerics differ from the trainer's
         args.rollout_correction = "tis" if args.vllm else "none"
     args.world_size = int(os.environ.get("WORLD_SIZE", 1))  # as setup_distributed reads it
@@ -189,45 +155,27 @@ def exact_div(numerator: int, denominator: int, message: str) -> int:
     return numerator // denominator
 
 
-# ---------------------------------------------------------------------------------------------
-# 2. Distributed
-# ---------------------------------------------------------------------------------------------
+# 2. Distributed -------------------------------------------------------------------------------------------------
 
 
 def setup_distributed(timeout_minutes: float = 60) -> tuple[int, int, torch.device]:
     """(rank, world_size, device) from torchrun's environment; a plain `python x.py` is rank 0 of 1. A
-    collective that waits longer than `timeout_minutes` for another rank fails, naming --dist-timeout."""
+    collective that waits longer than `timeout_minutes` (--dist-timeout) for another rank fails."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
         torch.cuda.set_device(device)
     if world_size > 1:
-        timeout = datetime.timedelta(minutes=timeout_minutes)
-        if device.type == "cuda":
-            dist.init_process_group("nccl", device_id=device, timeout=timeout)
-        else:
-            dist.init_process_group("gloo", timeout=timeout)
-        sys.excepthook = functools.partial(_explain_timeout, sys.excepthook, timeout_minutes)
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
     return rank, world_size, device
 
 
-def _explain_timeout(excepthook, minutes: float, kind, value, traceback) -> None:
-    """After the traceback of a collective that timed out, one line that says what happened and what to do."""
-    excepthook(kind, value, traceback)
-    if isinstance(value, RuntimeError) and re.search(r"timed out|timeout", str(value), re.IGNORECASE):
-        print(f"error: rank {os.environ.get('RANK', 0)} waited more than --dist-timeout {minutes:g} minutes for "
-              "another rank (one that died or hung, or one still generating or scoring). If a step can take that "
-              "long, raise --dist-timeout; else look at the other ranks' output. Go on with --resume latest.",
-              file=sys.stderr, flush=True)
-
-
 def cleanup_distributed() -> None:
-    """The last call of a distributed run, once main has returned: wait for every rank (rank 0 may still be
-    writing), then tear the process group down. On CPU the process then ends at once: gloo's worker
-    threads outlive destroy_process_group while anything holds the group (after FSDP, DTensor's caches
-    hold its mesh), and one that needs the GIL during interpreter teardown aborts the process
-    ('terminate called without an active exception', exit code -6)."""
+    """The last call of a distributed run: wait for every rank (rank 0 may still be writing), tear the group
+    down, and on CPU end the process at once: gloo's threads outlive the group while DTensor's caches hold it
+    (after FSDP), and one that needs the GIL in interpreter teardown aborts the process (exit code -6)."""
     if dist.is_initialized():
         on_cpu = dist.get_backend() == "gloo"
         dist.barrier()
@@ -257,15 +205,10 @@ def current_device() -> torch.device:
 
 
 def all_reduce_mean(metrics: dict[str, float | torch.Tensor]) -> dict[str, float]:
-    """Scalar metrics (floats or 0-dim tensors) averaged over ranks, so that what rank 0 logs describes the
-    whole step: one all-reduce and one device-to-host copy for all of them."""
-    if not metrics:
-        return {}
-    device = current_device()
-    values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).detach() for v in metrics.values()])
-    if dist.is_initialized():
-        values = all_reduce(values) / dist.get_world_size()
-    return dict(zip(metrics, values.tolist()))
+    """Scalar metrics (floats or 0-dim tensors) averaged over ranks, with one all-reduce and one copy to the host."""
+    values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=current_device()).detach()
+                          for v in metrics.values()]) if metrics else torch.zeros(0)
+    return dict(zip(metrics, (all_reduce(values) / (dist.get_world_size() if dist.is_initialized() else 1)).tolist()))
 
 
 def no_sync(models, last: bool) -> contextlib.ExitStack:
@@ -289,148 +232,76 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def on_every_rank(model, flag: bool, device: torch.device) -> bool:
-    """`flag` where every rank has it, for a model whose forward is collective (DDP broadcasts its buffers,
-    FSDP all-gathers its weights), so that the ranks run the same forwards; `flag` for any other model."""
+    """`flag` where every rank has it when the model's forward is collective (DDP broadcasts buffers, FSDP
+    all-gathers weights), so that the ranks run the same forwards."""
     collective = isinstance(model, DistributedDataParallel) or isinstance(unwrap(model), FSDPModule)
-    if not (dist.is_initialized() and collective):
-        return flag
-    return bool(all_reduce(torch.tensor(int(flag), device=device), "min"))
+    return bool(all_reduce(torch.tensor(int(flag), device=device), "min")) if dist.is_initialized() and collective \
+        else flag
 
 
-# ---------------------------------------------------------------------------------------------
-# 3. Models
-# ---------------------------------------------------------------------------------------------
-
-
-def from_pretrained(auto_class, name: str, flag: str = "--model", **kwargs):
-    """`auto_class.from_pretrained` that never runs code from the model's folder or repository (every config,
-    tokenizer and model here loads through it): a model that needs it (`auto_map`) stops with one line
-    instead of transformers' question "Do you wish to run the custom code?", which a `yes |` would answer."""
-    path = Path(name).expanduser()
-    if not path.exists() and (name.startswith((".", "/", "~")) or name.count("/") > 1):
-        raise UsageError(f"{flag} {name!r}: no such folder. Pass an existing folder or a Hugging Face model name.")
-    if (path / "adapter" / "adapter_config.json").is_file() and not (path / "config.json").is_file():
-        raise UsageError(f"{flag} {name!r}: a step checkpoint of a LoRA run holds its adapters (adapter/), not a "
-                         "model. Go on with --resume, or start from the run's final/ (the merged model).")
-    if (path / "config.json").is_file():
-        try:
-            config = json.loads((path / "config.json").read_text())
-        except (ValueError, UnicodeDecodeError) as e:
-            config = e
-        if not isinstance(config, dict):
-            what = f"not valid JSON ({config})" if isinstance(config, Exception) else f"a JSON {type(config).__name__}"
-            raise UsageError(f"{flag} {name!r}: its config.json is {what}, not a JSON object. Restore the model's "
-                             "config.json (copy it again from where the model came from).")
-    try:
-        return auto_class.from_pretrained(name, trust_remote_code=False, **kwargs)
-    except SafetensorError as e:
-        raise UsageError(f"{flag} {name!r}: cannot read its weights ({e}). A file is damaged or incomplete (an "
-                         "interrupted download or copy?): copy the model again.") from None
-    except pickle.UnpicklingError:  # torch.load(weights_only=True) met something other than tensors
-        raise UsageError(f"{flag} {name!r}: its weights file holds pickled data other than tensors. Refused without "
-                         "running it: use the model's safetensors weights, or a copy you trust.") from None
-    except (OSError, ValueError) as e:
-        if "trust_remote_code" in str(e):
-            raise UsageError(f"{flag} {name!r}: it needs code from the model's folder or repository (auto_map), and "
-                             "code from a model is never run here. Use a model whose architecture transformers "
-                             "has.") from None
-        raise UsageError(f"{flag} {name!r}: cannot load it ({str(e).splitlines()[0]}). Pass a local folder or a "
-                         "Hugging Face model name reachable from this machine.") from None
+# 3. Models ------------------------------------------------------------------------------------------------------
 
 
 def load_tokenizer(name: str, flag: str = "--model"):
-    """Left padding (prompts end where generation starts) and a pad token distinct from EOS, so that
-    masking padding can never mask the real EOS token, which is an action and gets gradient."""
-    tokenizer = from_pretrained(AutoTokenizer, name, flag)
+    """The tokenizer of a model name or folder (the first load of a run: a mistyped --model stops here),
+    padding on the left (prompts end where generation starts). The vocabulary is never changed (the model
+    and its adapters must stay loadable as they are): without a pad token it pads with EOS, and masks, not
+    ids, say where text starts and ends. trust_remote_code=False: code from a model's folder never runs."""
+    if (Path(name) / "adapter").is_dir() and not (Path(name) / "config.json").exists():
+        raise UsageError(f"{flag} {name}: a step checkpoint of a LoRA run holds its adapters (adapter/), not a "
+                         "model. Go on with --resume, or start from the run's final/ (the merged model).")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{flag} {name!r}: cannot load it ({str(e).strip().splitlines()[0]}). Pass a local folder "
+                         "or a Hugging Face model name reachable from this machine.") from None
     tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     return tokenizer
 
 
 def load_model(name: str, dtype: str, device: torch.device, tokenizer, auto_class=AutoModelForCausalLM,
-               flag: str = "--model", gradient_checkpointing: bool = False):
-    """Any causal LM (or, with `auto_class`, e.g. `AutoModel`, its backbone) by Hugging Face name or local
-    path, in `dtype` ("auto": fp32 on CPU, bf16 on GPU), its embeddings grown if `load_tokenizer` added a
-    pad token. Log-probs must be a deterministic function of the weights, also in train mode (which
-    --gradient-checkpointing needs): every dropout rate is zeroed in the config before the model is built
-    (attention dropout is applied functionally from it) and in every dropout module. `gradient_checkpointing`
-    recomputes each layer in the backward pass, which transformers does in train mode only."""
-    if dtype == "auto":
-        dtype = "bfloat16" if device.type == "cuda" else "float32"
-    config = from_pretrained(AutoConfig, name, flag)
-    _zero_dropout(config)
-    backbone = auto_class is not AutoModelForCausalLM  # e.g. a critic: a causal LM's head is left unused
-    with transformers_quiet(backbone):
-        model, info = from_pretrained(auto_class, name, flag, config=config, dtype=getattr(torch, dtype),
-                                      output_loading_info=True)
-    if backbone and (info["missing_keys"] or info["mismatched_keys"]):  # what the silenced report said of worth
-        print0(f"warning: {flag} {name!r}: weights not in the checkpoint, left as initialised: "
-               f"{sorted(map(str, info['missing_keys'] or info['mismatched_keys']))[:5]}")
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(len(tokenizer))  # a pad token was added
+               gradient_checkpointing: bool = False):
+    """Any causal LM (or with `auto_class`, e.g. `AutoModel`, its backbone) in `dtype` ("auto": fp32 on CPU, bf16
+    on GPU). Dropout off, in the config (attention applies it from there) and in every module: log-probs must
+    be a function of the weights, also in train mode (which --gradient-checkpointing needs)."""
+    dtype = ("bfloat16" if device.type == "cuda" else "float32") if dtype == "auto" else dtype
+    config = AutoConfig.from_pretrained(name, trust_remote_code=False)
+    for sub in [config, *(v for v in vars(config).values() if isinstance(v, transformers.PretrainedConfig))]:
+        for key in [k for k, v in vars(sub).items() if "drop" in k and isinstance(v, float)]:
+            setattr(sub, key, 0.0)  # attention_dropout, resid_pdrop, layerdrop, ...
+    model = auto_class.from_pretrained(name, config=config, dtype=getattr(torch, dtype), trust_remote_code=False)
     model.config.pad_token_id = tokenizer.pad_token_id
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
     for module in model.modules():  # also dropout modules built with a rate of their own, not the config's
         if isinstance(module, torch.nn.modules.dropout._DropoutNd):
             module.p = 0.0
     model = model.to(device)
     if model.get_output_embeddings() is not None:
-        check_output_logits(model, name, flag)
-    if gradient_checkpointing:  # dropout is off: train mode changes nothing else
-        enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)  # < 5.20
-        enable({"use_reentrant": False})
+        check_output_logits(model, name)
+    if gradient_checkpointing:  # transformers recomputes in train mode only; dropout is off: nothing else changes
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)({"use_reentrant": False})
         model.train()
     return model
 
 
-def _zero_dropout(config) -> None:
-    """Every dropout-like rate of a model config (attention_dropout, resid_pdrop, layerdrop, ...) set to 0."""
-    for key, value in vars(config).items():
-        if "drop" in key and isinstance(value, float):
-            setattr(config, key, 0.0)
-        elif isinstance(value, transformers.PretrainedConfig):
-            _zero_dropout(value)
-
-
-@contextlib.contextmanager
-def transformers_quiet(quiet: bool = False):
-    """transformers' progress bars off while loading or saving (one bar per rank under torchrun), and with
-    `quiet` its warnings too (a backbone's load report lists the unused LM head as UNEXPECTED)."""
-    level, bars = transformers.utils.logging.get_verbosity(), transformers.utils.logging.is_progress_bar_enabled()
-    transformers.utils.logging.disable_progress_bar()
-    if quiet:
-        transformers.utils.logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        transformers.utils.logging.set_verbosity(level)
-        if bars:
-            transformers.utils.logging.enable_progress_bar()
-
-
 @torch.no_grad()
-def check_output_logits(model, name: str, flag: str = "--model") -> None:
-    """Fail at load time unless `output_logits` reproduces the model's own logits on a few tokens (tolerance:
-    1e-4 of the largest logit in fp32, 2e-2 in 16-bit): `get_logprobs` projects hidden states itself, so a
-    forward that changes the logits in a way it does not know would train another distribution than the
-    one sampled."""
+def check_output_logits(model, name: str) -> None:
+    """Stop unless `output_logits` gives the model's own logits (to 1e-4 of the largest in fp32, 2e-2 in 16-bit):
+    `get_logprobs` projects hidden states itself, and must train the distribution that was sampled."""
     ids = torch.arange(8, device=model.device)[None] % model.config.get_text_config().vocab_size
     out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
     theirs, ours = out.logits.float(), output_logits(model, out.hidden_states[-1]).float()
-    tolerance = (1e-4 if model.dtype == torch.float32 else 2e-2) * theirs.abs().max().clamp(min=1)
     difference = (ours - theirs).abs().max()
-    if not difference <= tolerance:
-        raise UsageError(f"{flag} {name!r}: its forward changes the LM head's logits in a way get_logprobs does not "
-                         f"reproduce (largest difference {difference.item():.3g}). Supported: a plain LM head, "
+    if not difference <= (1e-4 if model.dtype == torch.float32 else 2e-2) * theirs.abs().max().clamp(min=1):
+        raise UsageError(f"--model {name!r}: its forward changes the LM head's logits in a way get_logprobs does "
+                         f"not reproduce (largest difference {difference.item():.3g}). Supported: a plain LM head, "
                          "final_logit_softcapping, logit_scale, logits_scaling; add its transform to "
                          "common.output_logits.")
 
 
 def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """FSDP2, in place: each decoder layer (the model's `_no_split_modules` classes), then the rest. On GPU
-    the shards are fp32 master weights and the compute is bf16, with gradients reduced in fp32."""
+    """FSDP2, in place: each decoder layer (`_no_split_modules`), then the rest; on GPU fp32 master weights,
+    bf16 compute, gradients reduced in fp32."""
     mp = MixedPrecisionPolicy()
     if device.type == "cuda":
         model.float()
@@ -443,9 +314,8 @@ def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module
 
 
 def add_lora(model, rank: int, alpha: float, targets: str):
-    """`model` with LoRA adapters (peft) of `rank` on `targets` ("all-linear": every linear layer of the
-    transformer blocks, not the LM head; or comma-separated module names), the only weights trained; the
-    model itself when `rank` is 0. Dropout 0: the trained distribution must be the sampled one."""
+    """`model` with LoRA adapters (peft) of `rank` on `targets` ("all-linear", or module names), the only weights
+    trained; `model` itself for rank 0. Dropout 0: the trained distribution must be the sampled one."""
     if not rank:
         return model
     try:
@@ -468,8 +338,8 @@ def is_lora(model) -> bool:
 
 
 class AdaptersOff:
-    """The policy with its LoRA adapters switched off: the base model it started from, the frozen
-    reference, without a second copy of the weights (for `get_logprobs`, which reaches it via `module`)."""
+    """The policy with its LoRA adapters off: the frozen reference without a second copy of the weights. Not a
+    Module, so that `.eval()` or `.requires_grad_()` never reach the policy through it."""
 
     def __init__(self, policy):
         self.module = policy
@@ -480,8 +350,8 @@ class AdaptersOff:
 
 
 def load_reference(args, policy, tokenizer, device: torch.device):
-    """The frozen reference model: with LoRA the policy with its adapters off; else a copy of --model (with
-    the loading seed, as the policy), sharded like the policy under --fsdp."""
+    """The frozen reference: with LoRA the policy with its adapters off, else a copy of --model (loaded with the
+    policy's seed), sharded like the policy."""
     if is_lora(policy):
         return AdaptersOff(unwrap(policy))
     torch.manual_seed(args.seed)
@@ -490,9 +360,8 @@ def load_reference(args, policy, tokenizer, device: torch.device):
 
 
 def plain_weights(model, state: dict | None = None):
-    """(name, tensor) of the model's weights as plain transformers names them, one at a time: under FSDP each
-    gathered whole in turn; with LoRA each adapted weight merged, W + scale * B A, out of place (the
-    adapters stay as they are). `state`: a full state dict of the model to read instead of its own."""
+    """(name, tensor) of the weights as plain transformers names them, one at a time (FSDP: each gathered in
+    turn; LoRA: merged, W + scale * B A); `state`: a full state dict to read instead of the model's."""
     peft_model = unwrap(model)
     state = peft_model.state_dict() if state is None else state
     for key, value in state.items():
@@ -505,32 +374,24 @@ def plain_weights(model, state: dict | None = None):
         yield key.removeprefix("base_model.model.").replace(".base_layer.", "."), value
 
 
-def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
-    """`clip_grad_norm_` that returns the total norm as a plain tensor, also for FSDP's sharded gradients."""
-    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-    return whole(norm)
+def clip_grad_norm(parameters, max_norm: float, step: int, run_dir: Path) -> torch.Tensor:
+    """`clip_grad_norm_`'s total norm, a plain tensor also for FSDP's sharded gradients. One that is not finite
+    (the same on every rank: all stop) stops the run before the optimizer step, naming where to go on from."""
+    norm = whole(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
+    if not torch.isfinite(norm):
+        raise UsageError(f"step {step}: non-finite gradient norm ({norm.item()}); stopped before the optimizer step. "
+                         f"Try a lower learning rate, or check --reward-fn. {resume_hint(run_dir)}")
+    return norm
 
 
-def check_grad_norm(grad_norm: torch.Tensor, step: int, run_dir: Path) -> None:
-    """Stop the run before the optimizer step when the gradient norm is not finite (the same value on every
-    rank: all stop), naming the checkpoint to go on from. One host sync per optimizer step."""
-    if not torch.isfinite(grad_norm):
-        raise UsageError(f"step {step}: non-finite gradient norm ({grad_norm.item()}); stopped before the optimizer "
-                         f"step. Try a lower --learning-rate, or check --reward-fn. {resume_hint(run_dir)}")
-
-
-def model_positions(name: str, flag: str = "--model") -> int | None:
+def model_positions(name: str) -> int | None:
     """How many positions (prompt and completion together) the model takes, from its config (None: no limit)."""
-    config = from_pretrained(AutoConfig, name, flag).get_text_config()
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        if isinstance(getattr(config, key, None), int):
-            return getattr(config, key)
-    return None
+    config = AutoConfig.from_pretrained(name, trust_remote_code=False).get_text_config()
+    keys = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+    return next((getattr(config, key) for key in keys if isinstance(getattr(config, key, None), int)), None)
 
 
-# ---------------------------------------------------------------------------------------------
-# 4. Data
-# ---------------------------------------------------------------------------------------------
+# 4. Data --------------------------------------------------------------------------------------------------------
 
 
 def builtin_splits(max_operand: int = 99, eval_size: int = 500) -> tuple[list[dict], list[dict]]:
@@ -544,27 +405,31 @@ def builtin_splits(max_operand: int = 99, eval_size: int = 500) -> tuple[list[di
 
 def load_rows(source: str, flag: str = "--dataset", config: str | None = None, split: str | None = "train",
               prompt_field: str = "prompt", answer_field: str = "answer") -> list[dict]:
-    """`{"prompt", "answer"}` rows from a JSONL file (read here: it needs nothing more) or anything `datasets`
-    reads (a Hub name, JSON/Parquet/CSV files, a `save_to_disk` folder) at `config` and `split` (None: its
-    'test' split, or its only one). A missing, null or non-text field stops naming the file and line."""
+    """`{"prompt", "answer"}` rows of a JSONL file (read here: it needs nothing more) or of anything `datasets`
+    reads (a Hub name, JSON/Parquet/CSV files, a folder of them, a `save_to_disk` folder) at `config` and
+    `split` (None: 'test', or its only split). A missing, null or non-text field stops naming the file and
+    line; so does a field empty in every row (a --prompt-field or --answer-field naming the wrong column)."""
     records = _jsonl_records(source, flag) if source.endswith(".jsonl") and config is None else \
         _dataset_records(source, flag, config, split)
     rows = []
     for where, record in records:
-        if not isinstance(record, dict):
-            raise UsageError(f"{where}: not an object with the fields {prompt_field!r} and {answer_field!r}.")
         for key, field_flag in ((prompt_field, "--prompt-field"), (answer_field, "--answer-field")):
+            if not isinstance(record, dict):
+                raise UsageError(f"{where}: not an object with the fields {prompt_field!r} and {answer_field!r}.")
             if key not in record:
-                raise UsageError(f"{where}: missing field {key} (it has {', '.join(record) or 'none'}). "
-                                 f"Name the field with {field_flag}.")
-            if record[key] is None:
-                raise UsageError(f"{where}: field {key} is null. Every row needs a {key}.")
-            if not isinstance(record[key], (str, int, float)) or isinstance(record[key], bool):
-                raise UsageError(f"{where}: field {key} is a {type(record[key]).__name__}; it must be text or a "
-                                 "number.")
+                raise UsageError(f"{where}: missing field {key} (it has {', '.join(record) or 'none'}). Name the "
+                                 f"field with {field_flag}.")
+            if not isinstance(value := record[key], (str, int, float)) or isinstance(value, bool):
+                kind = "null" if value is None else f"a {type(value).__name__}"
+                raise UsageError(f"{where}: field {key} is {kind}; every row needs a {key}, text or a number.")
         rows.append({"prompt": str(record[prompt_field]), "answer": str(record[answer_field])})
     if not rows:
         raise UsageError(f"{flag} {source!r}: the dataset has no examples.")
+    for what, key, field_flag in (("prompt", prompt_field, "--prompt-field"),
+                                  ("answer", answer_field, "--answer-field")):
+        if not any(row[what].strip() for row in rows):
+            raise UsageError(f"{flag} {source!r}: every {key} is empty. Name the field that holds the {what}s with "
+                             f"{field_flag}.")
     return rows
 
 
@@ -577,25 +442,14 @@ def _jsonl_records(source: str, flag: str):
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
+                if raw.strip():
+                    yield f"{path}:{line_no}", json.loads(raw.decode("utf-8"))
             except UnicodeDecodeError as e:
-                raise UsageError(f"{path}:{line_no}: not UTF-8 ({e.reason} at byte {e.start}). "
-                                 "Save it as UTF-8.") from None
-            if line.strip():
-                yield f"{path}:{line_no}", _json(line, f"{path}:{line_no}", "Each line must be one JSON object.")
-
-
-def _json(text: str, where: str, fix: str):
-    """`json.loads(text)`, or a stop naming `where` and what json objected to, in a few words."""
-    try:
-        return json.loads(text)
-    except RecursionError:
-        problem = "nested too deep"
-    except json.JSONDecodeError as e:
-        problem = e.msg
-    except ValueError:  # its own message names a function to call
-        problem = f"a number of more than {sys.get_int_max_str_digits()} digits"
-    raise UsageError(f"{where}: not valid JSON ({problem}). {fix}")
+                raise UsageError(f"{path}:{line_no}: not UTF-8 ({e.reason} at byte {e.start}). Save it as UTF-8.") \
+                    from None
+            except ValueError as e:
+                raise UsageError(f"{path}:{line_no}: not valid JSON ({e}). Each line must be one JSON object.") \
+                    from None
 
 
 def _dataset_records(source: str, flag: str, config: str | None, split: str | None):
@@ -606,36 +460,29 @@ def _dataset_records(source: str, flag: str, config: str | None, split: str | No
         raise UsageError(f"{flag} {source!r}: reading a Hugging Face dataset or a file other than JSONL needs "
                          "the datasets package: pip install datasets") from None
     path = Path(source).expanduser()
-    builder = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix)
-    if path.is_file() and builder is None:
-        raise UsageError(f"{flag} {source!r}: a {path.suffix or 'extensionless'} file; pass JSONL, JSON, Parquet "
-                         "or CSV, a dataset folder or a Hugging Face dataset name.")
     try:
-        if path.is_dir() and any((path / f).exists() for f in ("dataset_dict.json", "dataset_info.json")):
+        if (path / "dataset_dict.json").exists() or (path / "dataset_info.json").exists():
             data = datasets.load_from_disk(str(path))  # written by save_to_disk
-        elif path.is_file():
-            data = datasets.load_dataset(builder, data_files=str(path))
+        elif path.is_file():  # the builder by the file's suffix: json, parquet, csv
+            data = datasets.load_dataset(path.suffix[1:].replace("jsonl", "json"), data_files=str(path))
         else:
             data = datasets.load_dataset(source, config)
-    except (OSError, ValueError, ImportError, RuntimeError) as e:  # RuntimeError: a loading script, refused
-        raise UsageError(f"{flag} {source!r}: cannot load it ({type(e).__name__}: {str(e).splitlines()[0]}). "
-                         "Pass a dataset file or folder, or a Hugging Face dataset name reachable from this "
-                         "machine.") from None
-    name = split
+    except Exception as e:  # also a folder with a loading script, which datasets refuses to run
+        raise UsageError(f"{flag} {source!r}: cannot load it ({type(e).__name__}: {str(e).strip().splitlines()[0]}). "
+                         "Pass a JSONL, JSON, Parquet or CSV file, a dataset folder, or a Hugging Face dataset name "
+                         "reachable from this machine.") from None
     if isinstance(data, datasets.DatasetDict):
-        if name is None:
-            name = "test" if "test" in data or len(data) != 1 else next(iter(data))
-        if name not in data:
-            which = "--split" if flag == "--dataset" else "--eval-split"
-            raise UsageError(f"{flag} {source!r}: no split {name!r}; it has {list(data)}. Choose one with {which}.")
-        data = data[name]
+        split = split or ("test" if "test" in data or len(data) != 1 else next(iter(data)))
+        if split not in data:
+            raise UsageError(f"{flag} {source!r}: no split {split!r}; it has {list(data)}. Choose one with "
+                             f"{'--split' if flag == '--dataset' else '--eval-split'}.")
+        data = data[split]
     for i, row in enumerate(data):
-        yield f"{source} [{name or 'train'}] row {i}", row
+        yield f"{source} [{split or 'train'}] row {i}", row
 
 
 def load_data(dataset: str | None, eval_dataset: str | None, eval_size: int, dataset_config: str | None = None,
-              split: str = "train", eval_split: str | None = None, prompt_field: str = "prompt",
-              answer_field: str = "answer") -> tuple[list[dict], list[dict]]:
+              split: str = "train", eval_split: str | None = None, **fields) -> tuple[list[dict], list[dict]]:
     """(train, eval) examples: the built-in task, or `load_rows` of --dataset with, held out, --eval-dataset
     (at --eval-split or its 'test' split), else --eval-split of --dataset, else its last `eval_size` rows."""
     if dataset is None:
@@ -644,12 +491,10 @@ def load_data(dataset: str | None, eval_dataset: str | None, eval_size: int, dat
             raise UsageError(f"--eval-size {eval_size}: the built-in task has {len(held_out)} prompts, so none "
                              "would be left to train on. Hold out fewer (the default is 500).")
         return train, held_out
-    fields = dict(prompt_field=prompt_field, answer_field=answer_field)
     train = load_rows(dataset, "--dataset", dataset_config, split, **fields)
-    if eval_dataset is not None:
-        return train, load_rows(eval_dataset, "--eval-dataset", None, eval_split, **fields)
-    if eval_split is not None:
-        return train, load_rows(dataset, "--dataset", dataset_config, eval_split, **fields)
+    if eval_dataset is not None or eval_split is not None:
+        return train, load_rows(eval_dataset or dataset, "--eval-dataset" if eval_dataset else "--dataset",
+                                None if eval_dataset else dataset_config, eval_split, **fields)
     if len(train) <= eval_size:
         raise UsageError(f"--dataset {dataset!r} has {len(train)} rows, too few to hold out --eval-size {eval_size}. "
                          "Pass --eval-dataset or --eval-split, or a smaller --eval-size.")
@@ -657,100 +502,54 @@ def load_data(dataset: str | None, eval_dataset: str | None, eval_size: int, dat
 
 
 def load_task(args) -> tuple:
-    """(tokenizer, train, held_out, exact, reward_fn): what a run trains on, from the flags, checked before any
-    model is loaded so that bad input fails fast. The tokenizer of --model; the examples of `load_data` whose
-    prompts fit the model (`fit_prompts`); `exact`: the built-in task's answers are compared as whole
-    strings; the --reward-fn function, tried on two examples, or None."""
+    """(tokenizer, train, held_out, exact, reward_fn), checked before any model loads, so that bad input fails
+    fast: `load_data`'s examples whose prompts fit the model (`fit_prompts`); `exact`: the built-in task's
+    answers are compared as whole strings; the --reward-fn function, tried on two examples, or None."""
     train, held_out = load_data(args.dataset, args.eval_dataset, args.eval_size, args.dataset_config, args.split,
-                                args.eval_split, args.prompt_field, args.answer_field)
+                                args.eval_split, prompt_field=args.prompt_field, answer_field=args.answer_field)
     reward_fn = load_reward_fn(args.reward_fn, train[:2]) if args.reward_fn else None
     tokenizer = load_tokenizer(args.model)
-    train, held_out = fit_prompts(train, held_out, tokenizer, args.chat_template, args.max_prompt_length,
-                                  args.max_new_tokens, args.model)
+    train, held_out = (fit_prompts(examples, what, tokenizer, args) for examples, what in
+                       ((train, "training data"), (held_out, "held-out data")))
     return tokenizer, train, held_out, args.dataset is None, reward_fn
 
 
-def fit_prompts(train: list[dict], held_out: list[dict], tokenizer, chat_template: bool,
-                max_prompt_length: int | None, max_new_tokens: int, model: str) -> tuple[list[dict], list[dict]]:
+def fit_prompts(examples: list[dict], what: str, tokenizer, args) -> list[dict]:
     """The examples whose prompt, formatted as it will be sampled from, is not empty, has at most
-    `max_prompt_length` tokens and leaves room for `max_new_tokens` in the positions of `model` (a longer
-    one would be trained on positions past the trained range, or crash the step that draws it). The
-    others are dropped with a printed count; a set left empty stops the run."""
-    positions = model_positions(model)
-    limit = min(max_prompt_length or math.inf, positions - max_new_tokens if positions else math.inf)
+    --max-prompt-length tokens and leaves room for --max-new-tokens in the model's positions (a longer one
+    would crash the step that draws it, or train positions past the trained range); the others are dropped
+    with a count; none left stops the run."""
+    positions = model_positions(args.model)
+    limit = min(args.max_prompt_length or math.inf, positions - args.max_new_tokens if positions else math.inf)
     if limit < 1:
-        raise UsageError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's {positions} "
-                         "positions. Lower --max-new-tokens.")
-    why = f"longer than --max-prompt-length {limit} tokens" if limit == max_prompt_length else \
-        (f"longer than {limit} tokens (the model takes {positions} positions, --max-new-tokens {max_new_tokens} of "
-         "them for the completion)")
-    fitted = []
-    for examples, what in ((train, "training data"), (held_out, "held-out data")):
-        texts = [format_prompt(tokenizer, e["prompt"], chat_template) for e in examples]
-        try:
-            prompts = tokenizer(texts, add_special_tokens=False).input_ids if texts else []
-        except Exception as e:  # e.g. a word-level tokenizer without an unknown token meets a new character
-            raise UsageError(_unencodable(tokenizer, examples, what, e)) from None
-        empty = sum(len(ids) == 0 for ids in prompts)  # nothing to continue from
-        if examples and empty == len(examples):
-            raise UsageError(f"{what}: all {len(examples)} prompts are empty (no token, and no chat template or BOS "
-                             "token around them). Check --prompt-field, or leave --chat-template on.")
-        if empty:
-            print0(f"{what}: dropped {empty} of {len(examples)} prompts that are empty (no token)")
-        kept = [e for e, ids in zip(examples, prompts) if 0 < len(ids) <= limit]
-        if examples and not kept:
-            raise UsageError(f"{what}: all {len(examples)} prompts are {why}. Raise --max-prompt-length, or lower "
-                             "--max-new-tokens.")
-        if len(kept) < len(examples) - empty:
-            print0(f"{what}: dropped {len(examples) - empty - len(kept)} of {len(examples)} prompts {why}")
-        fitted.append(kept)
-    check_round_trip(tokenizer, train[:64])
-    return fitted[0], fitted[1]
-
-
-def check_round_trip(tokenizer, examples: list[dict]) -> None:
-    """Warn when prompts do not come back from encode + decode as they were: the model would be trained on
-    other text than the data's (a tokenizer class that drops spaces, or an unknown-token fallback)."""
-    for example in examples:
-        text = example["prompt"]
-        back = tokenizer.decode(tokenizer(text, add_special_tokens=False).input_ids)
-        if back != text:
-            return print0(f"warning: the tokenizer of --model ({type(tokenizer).__name__}) does not give the prompts "
-                          f"back as they were: {text[:60]!r} comes back as {back[:60]!r}. The model is trained on what "
-                          "it encodes; check that the folder's tokenizer files are the model's own.")
-
-
-def _unencodable(tokenizer, examples: list[dict], what: str, error: Exception) -> str:
-    """The message naming the first row, and character, of `examples` that `tokenizer` cannot encode."""
-    for i, example in enumerate(examples):
-        for char in dict.fromkeys(example["prompt"]):
-            try:
-                tokenizer(char, add_special_tokens=False)
-            except Exception:
-                return (f"{what}, row {i}: the tokenizer of --model cannot encode {char!r} in the prompt "
-                        f"{example['prompt'][:60]!r} ({type(error).__name__}: {error}). Pass a --model whose tokenizer "
-                        "covers the data's characters.")
-    return f"{what}: the tokenizer of --model cannot encode the prompts ({type(error).__name__}: {error})."
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's "
+                         f"{positions} positions. Lower --max-new-tokens.")
+    why = f"longer than --max-prompt-length {limit} tokens" if limit == args.max_prompt_length else \
+        f"longer than {limit} tokens (the model takes {positions} positions, --max-new-tokens of them)"
+    texts = [format_prompt(tokenizer, e["prompt"], args.chat_template) for e in examples]
+    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids] if texts else []
+    kept = [e for e, n in zip(examples, lengths) if 0 < n <= limit]
+    if examples and not kept:
+        raise UsageError(f"{what}: all {len(examples)} prompts are empty or {why}. Raise --max-prompt-length, or "
+                         "lower --max-new-tokens.")
+    if len(kept) < len(examples):
+        print0(f"{what}: dropped {len(examples) - len(kept)} of {len(examples)} prompts that are empty or {why}")
+    return kept
 
 
 def format_prompt(tokenizer, prompt: str, chat_template: bool) -> str:
-    """The text the model continues: the chat template's user turn + assistant header when the
-    tokenizer has a template (and `--chat-template` is on), else the raw prompt after BOS."""
+    """The text the model continues: the chat template's user turn and assistant header when the tokenizer
+    has one (and --chat-template is on), else the prompt after BOS."""
     if chat_template and tokenizer.chat_template:
-        messages = [{"role": "user", "content": prompt}]
-        try:
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as e:  # jinja2's TemplateError, or what the template raises itself
-            raise UsageError(f"the chat template of --model cannot render a prompt ({type(e).__name__}: {e}). Fix its "
-                             "chat_template.jinja (or chat_template in tokenizer_config.json), or pass "
-                             "--no-chat-template.") from None
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=False)
     return (tokenizer.bos_token or "") + prompt
 
 
 def prompt_batch(examples: list[dict], step: int, batch_size: int, rank: int, world_size: int, seed: int) -> list[dict]:
-    """This rank's slice of step `step`'s global batch of `batch_size` prompts. Every rank computes the same
-    global order (a fresh permutation each epoch, seeded by seed + epoch), so the data order depends only on
-    (seed, step): resuming is exact and the global batch is the same whatever the number of ranks."""
+    """This rank's slice of step `step`'s global batch. Every rank computes the same global order (a fresh
+    permutation each epoch, seeded by seed + epoch): the data order depends only on (seed, step), so a resume
+    is exact and the global batch is the same whatever the number of ranks."""
     local = batch_size // world_size
     start = step * batch_size + rank * local
     return [examples[_epoch_order(len(examples), seed + pos // len(examples))[pos % len(examples)]]
@@ -762,9 +561,7 @@ def _epoch_order(num_examples: int, seed: int) -> list[int]:
     return torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-# ---------------------------------------------------------------------------------------------
-# 5. Rewards and evaluation
-# ---------------------------------------------------------------------------------------------
+# 5. Rewards and evaluation --------------------------------------------------------------------------------------
 
 
 def final_answer(text: str) -> str | None:
@@ -777,167 +574,75 @@ def final_answer(text: str) -> str | None:
             if depth == 0:
                 return text[i:j].strip()
         return None  # unclosed brace
-    if "####" in text:
-        return text.rsplit("####", 1)[1].strip() or None
-    return None
+    return (text.rsplit("####", 1)[1].strip() or None) if "####" in text else None
 
 
-def _to_number(text: str) -> float | None:
-    """A plain number ('1,234', '-3.5', '$12', '3/4', '1.5e3'), or None."""
-    text = text.replace(",", "").replace("$", "").strip().rstrip(".")  # '12 13' is two numbers, not 1213
+def _to_number(text: str) -> Fraction | None:
+    """A plain number ('1,234,567', '-3.5', '3/4', '1.5e3'), exactly, or None. A comma is a thousands
+    separator only between groups of three digits: '0,1' (two answers) and '12 13' are not numbers."""
+    text = text.strip().rstrip(".")
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", text):
+        text = text.replace(",", "")
     try:
-        if "/" in text:
-            num, den = text.split("/")
-            return float(num) / float(den)
-        return float(text)
+        return Fraction(text)
     except (ValueError, ZeroDivisionError):
         return None
 
 
-# The child process that runs math-verify: one (gold, completion) JSON line in, "1" or "0" out. It runs
-# isolated (`python -I`: a `json.py` in the working directory is not imported), with the folder that holds
-# math_verify (argv[1]) on its path. Its own timeouts are off (signal.alarm cannot stop C code such as
-# big-integer arithmetic): the parent enforces the deadline. An address-space limit turns a runaway
-# allocation into a MemoryError (scored 0) rather than the machine's OOM killer.
-_MATH_VERIFY_CHILD = r"""
-import sys
-sys.path.append(sys.argv[1])
-import json, logging, resource
-resource.setrlimit(resource.RLIMIT_AS, (4 * 2**30, 4 * 2**30))
-logging.disable(logging.WARNING)
-from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-config = [LatexExtractionConfig(), ExprExtractionConfig()]
-print("ready", flush=True)
-for line in sys.stdin:
-    gold, completion = json.loads(line)
-    try:
-        right = verify(parse(gold, config, parsing_timeout=None), parse(completion, config, parsing_timeout=None),
-                       timeout_seconds=None)
-    except Exception:
-        right = False
-    print(int(right), flush=True)
-"""
-
-
-class MathVerifier:
-    """math-verify (the grader of TRL's accuracy reward) in a child process, with a hard deadline: a completion
-    not graded within `timeout_s` scores 0 and the child is started afresh, so no completion can hang a step
-    (under torchrun the other ranks would wait in a collective). One child per rank, started on first use."""
-
-    def __init__(self, timeout_s: float = 2.0):
-        self.timeout_s, self.child, self.timeouts = timeout_s, None, 0
-
-    def _start(self) -> None:
-        found = importlib.util.find_spec("math_verify")
-        if found is None:
-            raise UsageError("the math reward needs math-verify: pip install -r requirements.txt")
-        where = str(Path(found.origin).parent.parent)  # the site-packages (or other folder) it is installed in
-        self.child = subprocess.Popen([sys.executable, "-I", "-c", _MATH_VERIFY_CHILD, where], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        if not select.select([self.child.stdout], [], [], 120)[0] or self.child.stdout.readline() != "ready\n":
-            self._stop()
-            raise UsageError("the math reward's math-verify process did not start: check "
-                             "`python -c 'import math_verify'`")
-
-    def _stop(self) -> None:
-        self.child.kill()
-        self.child.wait()
-        self.child = None
-
-    def __call__(self, gold: str, completion: str) -> bool:
-        if self.child is None or self.child.poll() is not None:  # not started yet, or ended from outside
-            self._start()
-        self.child.stdin.write(json.dumps([gold, completion]) + "\n")
-        self.child.stdin.flush()
-        if select.select([self.child.stdout], [], [], self.timeout_s)[0]:
-            answer = self.child.stdout.readline()
-            if answer:
-                return answer == "1\n"
-        self.timeouts += 1  # over the deadline, or the child died: it is replaced for the next completion
-        self._stop()
-        return False
-
-
-_math_verifier = MathVerifier()
-
-
 def math_reward(completion: str, answer: str) -> bool:
-    """Is `completion` right, for a gold `answer` such as '72', '\\frac{1}{2}', '(1, 3]', 'B' or GSM8K's
-    'reasoning #### 72'? Plain numbers (the completion's final answer, or the whole completion) are compared
-    numerically (1e-6 relative); a gold letter A-J with the letter chosen (`chosen_letter`); anything else
-    symbolically by math-verify (fractions, roots, pi, units, intervals, tuples, sets, equations)."""
-    gold = answer.rsplit("####", 1)[-1].strip()
-    stated = final_answer(completion)
-    prediction = stated if stated is not None else completion.strip()
-    numbers = _to_number(gold), _to_number(prediction)
+    """Is `completion` right, for a gold `answer` such as '72', '\\frac{1}{2}', '(1, 3]' or GSM8K's 'reasoning
+    #### 72'? Plain numbers (the completion's final answer, or the whole completion) are compared exactly;
+    anything else by math-verify (fractions, roots, pi, units, intervals, tuples, sets, equations), with its
+    own timeouts: a completion it cannot grade in seconds scores 0."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    gold, stated = answer.rsplit("####", 1)[-1].strip(), final_answer(completion)
+    numbers = _to_number(gold), _to_number(completion if stated is None else stated)
     if None not in numbers:
-        return math.isclose(*numbers, rel_tol=1e-6, abs_tol=1e-9)
-    letter = re.fullmatch(r"\(?([A-J])\)?", gold)
-    if letter:
-        return chosen_letter(completion) == letter.group(1)
+        return numbers[0] == numbers[1]
     if numbers[0] is not None and re.fullmatch(r"-?[\d.]+[eE][-+]?\d+", gold):
-        gold = f"{numbers[0]:f}".rstrip("0").rstrip(".")  # LaTeX reads 1.5e3 as 1.5 times a symbol e
-    if "\\boxed" not in gold and "$" not in gold:
-        gold = f"${gold}$"  # LaTeX, e.g. \frac{1}{2}, (1, 3], \{1, 2\}
-    return _math_verifier(gold, f"\\boxed{{{stated}}}" if stated is not None else completion)
-
-
-def chosen_letter(completion: str) -> str | None:
-    """The multiple-choice letter a completion gives: its final answer ('B', '(B)', '\\text{B}'), else the
-    last '(B)' or 'answer is B' / 'Answer: B' in the text."""
-    stated = final_answer(completion)
-    if stated is not None:
-        letter = re.fullmatch(r"\(?(?:\\text\{)?\s*([A-J])\s*\}?\)?", stated)
-        return letter.group(1) if letter else None
-    found = re.findall(r"\(([A-J])\)|(?i:answer)(?:\s+is|\s*:)?\s*\(?([A-J])\b", completion)
-    return "".join(found[-1]) if found else None
+        gold = str(float(numbers[0]))  # LaTeX would read 1.5e3 as 1.5 times a symbol e
+    extraction = [LatexExtractionConfig(), ExprExtractionConfig()]
+    return verify(parse(gold if "\\boxed" in gold or "$" in gold else f"${gold}$", extraction),
+                  parse(completion if stated is None else f"\\boxed{{{stated}}}", extraction))
 
 
 def correctness_reward(completions: list[str], answers: list[str], exact: bool) -> torch.Tensor:
-    """1.0 where the completion is right: the whole text equals the answer (`exact`, the built-in task),
-    or it states the gold answer, by `math_reward` (real data)."""
+    """1.0 where the completion is right: the whole text equals the answer (`exact`, the built-in task), or
+    it states the gold answer (`math_reward`, real data)."""
     right = [c.strip() == a.strip() if exact else math_reward(c, a) for c, a in zip(completions, answers)]
-    if _math_verifier.timeouts:
-        print(f"math reward: {_math_verifier.timeouts} completion(s) not graded within {_math_verifier.timeout_s} s "
-              "scored 0", flush=True)
-        _math_verifier.timeouts = 0
     return torch.tensor(right, dtype=torch.float32)
 
 
 def format_reward(completions: list[str], exact: bool) -> torch.Tensor:
     """1.0 where the answer is given in the expected form: a bare number (built-in) or \\boxed{} / ####."""
-    if exact:
-        return torch.tensor([re.fullmatch(r"\s*-?\d+\s*", c) is not None for c in completions], dtype=torch.float32)
-    return torch.tensor(["\\boxed{" in c or "####" in c for c in completions], dtype=torch.float32)
+    return torch.tensor([re.fullmatch(r"\s*-?\d+\s*", c) is not None if exact else "\\boxed{" in c or "####" in c
+                         for c in completions], dtype=torch.float32)
 
 
 def load_reward_fn(spec: str, examples: list[dict] = ()):
-    """`module:function` (importable from the working directory) or `path/to/file.py:function`, called as
+    """`module:function` (imported from the working directory) or `path/to/file.py:function`, called as
     `fn(prompts, completions, answers)` -> one float per completion; tried at once on `examples`."""
     module_name, _, fn_name = spec.rpartition(":")
     if not module_name or not fn_name:
         raise UsageError(f"--reward-fn {spec!r}: expected 'module:function' or 'file.py:function'.")
-    ours = sys.modules.get(module_name.partition(".")[0])
-    if not module_name.endswith(".py") and Path(getattr(ours, "__file__", None) or "/").parent == ROOT:
+    ours = getattr(sys.modules.get(module_name.partition(".")[0]), "__file__", None)  # e.g. this project's common
+    if not module_name.endswith(".py") and ours and Path(ours).resolve().parent == HERE:
         raise UsageError(f"--reward-fn {spec!r}: {module_name!r} is a module of this project; pass your file as "
                          f"path/to/{module_name}.py:{fn_name}, or rename it.")
+    sys.path.insert(0, os.getcwd())  # for this import only: found from the working directory first
     try:
         if module_name.endswith(".py"):
-            loader_spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
-            if loader_spec is None or not Path(module_name).is_file():
-                raise ImportError(f"no file {module_name}")
-            module = importlib.util.module_from_spec(loader_spec)
-            loader_spec.loader.exec_module(module)
+            loader = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+            module = importlib.util.module_from_spec(loader)
+            loader.loader.exec_module(module)
         else:
-            sys.path.insert(0, os.getcwd())  # for this import only: found from the working directory first
-            try:
-                module = importlib.import_module(module_name)
-            finally:
-                sys.path.remove(os.getcwd())
+            module = importlib.import_module(module_name)
     except Exception as e:
         raise UsageError(f"--reward-fn {spec!r}: cannot import {module_name!r} ({type(e).__name__}: {e}).") from None
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
+    finally:
+        sys.path.remove(os.getcwd())
+    if not callable(fn := getattr(module, fn_name, None)):
         raise UsageError(f"--reward-fn {spec!r}: {module_name!r} has no function {fn_name!r}.")
     if examples:
         answers = [e["answer"] for e in examples]
@@ -946,24 +651,22 @@ def load_reward_fn(spec: str, examples: list[dict] = ()):
 
 
 def call_reward_fn(fn, spec: str, prompts: list[str], completions: list[str], answers: list[str]) -> torch.Tensor:
-    """A user reward function's values (B,): one finite float per completion, or a stop that says what it gave.
-    It gets copies of the lists. It has no deadline: it runs in this process, where it may hold a model or a
-    connection (under torchrun the other ranks stop after --dist-timeout; give its own calls a timeout)."""
+    """A user reward function's values (B,), one finite float per completion, or a stop that says what it gave.
+    It gets copies of the lists, and runs in this process without a deadline (give its own calls a timeout)."""
     try:
         values = fn(list(prompts), list(completions), list(answers))
-    except SystemExit as e:  # an exit inside it would end the run with its status, and no final/
+    except SystemExit as e:  # would end the run with its status (0 for sys.exit()), and no final/
         raise UsageError(f"--reward-fn {spec!r} called sys.exit({e.code}). A reward function must return its "
                          "values; to stop the run, raise an exception.") from None
     except Exception as e:
         raise UsageError(f"--reward-fn {spec!r} raised {type(e).__name__}: {e}") from None
-    out = None
-    if isinstance(values, (list, tuple, torch.Tensor)) or type(values).__name__ == "ndarray":  # not a dict's keys
-        with contextlib.suppress(TypeError, ValueError):
-            out = torch.tensor([float(v) for v in values], dtype=torch.float32)
-    if out is None or len(out) != len(completions) or not out.isfinite().all():
-        shown = repr(values) if out is None else repr(out.tolist()[:4])
+    try:
+        out = torch.as_tensor(values, dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError):  # None, a dict, text: not numbers
+        out = None
+    if out is None or out.shape != (len(completions),) or not out.isfinite().all():
         raise UsageError(f"--reward-fn {spec!r} must return a list of one finite float per completion "
-                         f"({len(completions)}), got {shown[:200]}.")
+                         f"({len(completions)}), got {repr(values)[:200]}.")
     return out
 
 
@@ -985,19 +688,16 @@ def score(examples: list[dict], completions: list[str], group_size: int, exact: 
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[dict], chat_template: bool, exact: bool, max_new_tokens: int, seed: int,
              batch_size: int = 256, vllm: "VllmEngine | None" = None) -> dict[str, float]:
-    """Held-out accuracy: one sample at T=1 (`eval/accuracy`) and greedy (`eval/accuracy_greedy`). Each rank
-    scores a strided shard; sampling is seeded and forked, so evaluation neither depends on nor disturbs the
-    training RNG (`vllm`: its engine samples). `perf/eval_s` is its wall time (part of the step's `perf/step_s`)."""
+    """Held-out accuracy of one sample at T=1 (`eval/accuracy`) and of greedy decoding (`_greedy`), each rank
+    on a strided shard. Sampling is seeded and forked: evaluation neither depends on nor disturbs training's
+    random state. `perf/eval_s`: its wall time (part of the step's `perf/step_s`)."""
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     start, shard = time.perf_counter(), examples[rank::world_size]
     right = torch.zeros(2, dtype=torch.float64, device=model.device)
-    largest = -(-len(examples) // world_size)  # every rank runs as many batches (FSDP's forward is collective)
     with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []):
         torch.manual_seed(seed + rank)
-        for i in range(0, largest, batch_size):
-            batch, counted = shard[i : i + batch_size], True
-            if not batch:  # this rank's shard is one example short: generate for nothing, count nothing
-                batch, counted = examples[:1], False
+        for i in range(0, -(-len(examples) // world_size), batch_size):  # as many batches on every rank (FSDP)
+            batch, counted = shard[i : i + batch_size] or examples[:1], bool(shard[i : i + batch_size])
             prompts = [format_prompt(tokenizer, e["prompt"], chat_template) for e in batch]
             for j, greedy in enumerate((False, True)):
                 texts = generate(model, tokenizer, prompts, 1, max_new_tokens, 1.0, greedy, vllm).texts
@@ -1007,23 +707,17 @@ def evaluate(model, tokenizer, examples: list[dict], chat_template: bool, exact:
             "perf/eval_s": time.perf_counter() - start}
 
 
-# ---------------------------------------------------------------------------------------------
-# 6. Generation and log-probs
-# ---------------------------------------------------------------------------------------------
+# 6. Generation and log-probs ------------------------------------------------------------------------------------
 
 
 @dataclass
 class Rollout:
     """G completions per prompt, stored contiguously (group j is rows j*G .. j*G+G-1).
 
-    input_ids:      (B, P+L) left-padded prompt then response, padded after EOS
-    attention_mask: (B, P+L) 1 on real prompt and response tokens
-    response_mask:  (B, L)   1 on response tokens up to and including EOS, 0 after it
-    prompt_length:  P, the padded prompt width (responses start at column P)
-    texts:          B decoded responses (EOS and padding removed)
-    truncated:      (B,) True where the response hit --max-new-tokens without EOS
-    sampler_logprobs: (B, L) log-prob of each response token under the distribution the sampler drew it
-                    from (0 after EOS; 0 everywhere for greedy decoding)
+    input_ids, attention_mask: (B, P+L) the left-padded prompt, then the response, padded after EOS
+    response_mask: (B, L) 1 on response tokens up to and including EOS; prompt_length: P
+    texts: the B decoded responses; truncated: (B,) True where a response hit --max-new-tokens without EOS
+    sampler_logprobs: (B, L) each token's log-prob under the distribution the sampler drew it from (0 greedy)
     """
 
     input_ids: torch.Tensor
@@ -1036,8 +730,8 @@ class Rollout:
 
 
 def cat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
-    """Stack rollouts into one: prompts re-padded on the left to the widest, responses on the right to the
-    longest. Rows keep their order, so groups stay contiguous."""
+    """Rollouts stacked in order (groups stay contiguous): prompts re-padded on the left to the widest,
+    responses on the right to the longest."""
     P, L = max(r.prompt_length for r in rollouts), max(r.response_mask.shape[1] for r in rollouts)
 
     def pad(r: Rollout, x: torch.Tensor, value, left: bool = True) -> torch.Tensor:  # to (B, P+L), or (B, L)
@@ -1077,18 +771,14 @@ class Sampler(LogitsProcessor):
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], group_size: int, max_new_tokens: int, temperature: float,
              greedy: bool = False, vllm: "VllmEngine | None" = None) -> Rollout:
-    """Sample `group_size` completions for each prompt text (already formatted) with `model.generate`, or
-    with `vllm`'s engine after pushing the model's weights to it.
-
-    Sampling is plain softmax(logits / T), the distribution every loss here assumes (greedy: argmax),
-    whatever the checkpoint's generation_config.json holds: the configuration is built here in full,
-    taking only the EOS, pad and BOS ids from the checkpoint's, which is swapped out for the call (else
-    transformers would merge its top_k, repetition_penalty, min_new_tokens, ... into sampling)."""
+    """`group_size` completions of each prompt text (formatted), by `model.generate` or by `vllm`'s engine.
+    Sampling is plain softmax(logits / T), the distribution every loss here assumes (greedy: argmax): the
+    generation config is built here, with only the EOS, pad and BOS ids of the checkpoint's, which is swapped
+    out for the call (else transformers would merge its top_k, repetition_penalty, ... into sampling)."""
     if vllm is not None:
         return vllm.generate(model, tokenizer, prompts, group_size, max_new_tokens, temperature, greedy)
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-    prompt_ids = enc.input_ids.repeat_interleave(group_size, dim=0)
-    prompt_mask = enc.attention_mask.repeat_interleave(group_size, dim=0)
+    prompt_ids, prompt_mask = (x.repeat_interleave(group_size, dim=0) for x in (enc.input_ids, enc.attention_mask))
     eos_ids = stop_ids(model, tokenizer)
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id,
                               bos_token_id=model.generation_config.bos_token_id, do_sample=False)  # Sampler draws
@@ -1103,22 +793,17 @@ def generate(model, tokenizer, prompts: list[str], group_size: int, max_new_toke
                              logits_processor=None if greedy else [sampler], synced_gpus=synced, **{CACHE: cache})
     finally:
         model.generation_config = checkpoint_config
-    P = prompt_ids.shape[1]
-    response = out[:, P:]  # (B, L); HF pads after EOS with pad_token_id
+    P, response = prompt_ids.shape[1], out[:, prompt_ids.shape[1]:]  # (B, L), padded after EOS
     is_eos = torch.isin(response, torch.tensor(eos_ids, device=response.device))
-    has_eos = is_eos.any(-1)
-    first_eos = torch.where(has_eos, is_eos.int().argmax(-1), response.shape[1])  # (B,)
-    positions = torch.arange(response.shape[1], device=response.device)
-    response_mask = (positions[None] <= first_eos[:, None]).long()  # EOS is an action: keep it in the mask
-    response = response.masked_fill(response_mask == 0, tokenizer.pad_token_id)
+    first_eos = torch.where(is_eos.any(-1), is_eos.int().argmax(-1), response.shape[1])  # (B,)
+    response_mask = torch.arange(response.shape[1], device=response.device)[None] <= first_eos[:, None]  # EOS in
+    response = response.masked_fill(~response_mask, tokenizer.pad_token_id)
     texts = tokenizer.batch_decode([r[:n] for r, n in zip(response.tolist(), first_eos.tolist())],
                                    skip_special_tokens=True)
-    sampler_logprobs = (torch.zeros(response.shape, device=response.device) if greedy
-                        else torch.stack(sampler.logprobs, 1)[:, : response.shape[1]])
-    return Rollout(input_ids=torch.cat([prompt_ids, response], 1),
-                   attention_mask=torch.cat([prompt_mask, response_mask], 1), response_mask=response_mask.float(),
-                   prompt_length=P, texts=texts, truncated=~has_eos,
-                   sampler_logprobs=sampler_logprobs.masked_fill(response_mask == 0, 0.0))
+    sampler_logprobs = torch.zeros(response.shape, device=response.device) if greedy else \
+        torch.stack(sampler.logprobs, 1)[:, : response.shape[1]].masked_fill(~response_mask, 0.0)
+    return Rollout(torch.cat([prompt_ids, response], 1), torch.cat([prompt_mask, response_mask.long()], 1),
+                   response_mask.float(), P, texts, ~is_eos.any(-1), sampler_logprobs)
 
 
 def stop_ids(model, tokenizer) -> list[int]:
@@ -1129,15 +814,13 @@ def stop_ids(model, tokenizer) -> list[int]:
 
 class VllmEngine:
     """A vLLM engine on this rank's device, in this process, that samples for `generate` (--vllm): paged
-    attention and continuous batching, for long completions on a GPU. Before each call it gets the policy's
-    current weights (it starts with dummy ones), so it samples from the policy being trained
-    (`policy/sampler_logprob_gap` says how close). Sampling is plain softmax(logits / T) as in `generate`
-    (nothing from generation_config.json), with each token's log-prob under that distribution
-    (processed_logprobs). Its random stream is its own (seeded per rank), not in checkpoints: a resumed
-    run samples other completions than the run that stopped. On a GPU it sleeps between calls, freeing
-    its memory for the update."""
+    attention and continuous batching, for long completions on a GPU. It starts with dummy weights and gets
+    the policy's before each call (`policy/sampler_logprob_gap` says how close it samples to the trainer).
+    Sampling is plain softmax(logits / T), as in `generate`, with each token's log-prob under it. Its random
+    stream is its own (seeded per rank), not in checkpoints: a resumed run samples other completions than
+    the run that stopped. On a GPU it sleeps between calls, freeing its memory for the update."""
 
-    def __init__(self, model, name: str, dtype: str, seed: int, gpu_memory_utilization: float = 0.3):
+    def __init__(self, name: str, dtype: str, seed: int, gpu_memory_utilization: float = 0.3):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights in memory
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         try:
@@ -1152,17 +835,15 @@ class VllmEngine:
             self.llm = vllm.LLM(
                 name, dtype=dtype, seed=seed, load_format="dummy", skip_tokenizer_init=True, generation_config="vllm",
                 logprobs_mode="processed_logprobs", max_model_len=model_positions(name), enforce_eager=not self.gpu,
-                hf_overrides={"vocab_size": unwrap(model).get_input_embeddings().num_embeddings},  # a pad token added
                 distributed_executor_backend="external_launcher" if dist.is_initialized() else None,
                 enable_sleep_mode=self.gpu, **({"gpu_memory_utilization": gpu_memory_utilization} if self.gpu else {}))
         if self.gpu:
             self.llm.sleep(level=2)  # its weights are pushed before each call
 
     def push(self, model) -> None:
-        """The model's weights into the engine, one tensor at a time (`plain_weights`: under FSDP each gathered
-        in turn, never the whole model at once; LoRA merged), the LM head included where it is tied to the
-        embeddings. Then the prefix cache is emptied: it holds keys and values of the old weights, which
-        prompts longer than a block would reuse."""
+        """The model's weights into the engine, one tensor at a time (`plain_weights`), the LM head included
+        where it is tied to the embeddings; then the prefix cache emptied: it holds keys and values of the old
+        weights, which prompts longer than a block would reuse."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": plain_weights(model)})
         self.llm.reset_prefix_cache()
 
@@ -1174,8 +855,7 @@ class VllmEngine:
         self.push(model)
         if self.gpu:
             self.llm.wake_up()
-        prompt_ids = tokenizer(prompts, add_special_tokens=False).input_ids
-        eos_ids = stop_ids(model, tokenizer)
+        prompt_ids, eos_ids = tokenizer(prompts, add_special_tokens=False).input_ids, stop_ids(model, tokenizer)
         params = self.vllm.SamplingParams(n=group_size, temperature=0.0 if greedy else temperature, logprobs=0,
                                           max_tokens=max_new_tokens, stop_token_ids=eos_ids, detokenize=False)
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
@@ -1199,14 +879,14 @@ class VllmEngine:
 
 
 def shared_prompt_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int):
-    """The KV cache of each prompt's tokens but its last, computed once per prompt and repeated for its
-    `group_size` rows, for `model.generate` to go on from. None where there is nothing to share or the
-    cache is not plain keys and values: generate then runs every row's prompt."""
+    """The KV cache of each prompt's tokens but its last, computed once and repeated for its `group_size` rows,
+    for `model.generate` to go on from; None where nothing is shared or the cache is not plain keys and
+    values (generate then runs every row's prompt)."""
     if not on_every_rank(model, group_size > 1 and prompt_ids.shape[1] > 1, prompt_ids.device):
         return None
     ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]
-    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True, logits_to_keep=1)
-    cache = getattr(out, CACHE)
+    cache = getattr(model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True,
+                          logits_to_keep=1), CACHE)
     if not plain_cache(cache, ids.shape[1]):
         return None
     cache.batch_repeat_interleave(group_size)
@@ -1216,8 +896,8 @@ def shared_prompt_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
 def plain_cache(cache, length: int) -> bool:
     """Whether `cache` holds plain keys and values for `length` tokens, which can be indexed by row: not so
     for linear-attention or state-space layers, nor under gradient checkpointing (transformers drops it)."""
-    return (isinstance(cache, DynamicCache) and cache.get_seq_length() == length
-            and all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers))
+    return (isinstance(cache, transformers.DynamicCache) and cache.get_seq_length() == length and all(
+        type(layer).__name__ in ("DynamicLayer", "DynamicSlidingWindowLayer") for layer in cache.layers))
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -1226,13 +906,10 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    """The logits `model`'s forward returns, recomputed from its last hidden states (N, H) -> (N, V), in at
-    least fp32: the LM head, then what some architectures apply after it (Gemma's soft-capping, Cohere's
-    logit_scale, Granite's logits_scaling). The temperature goes after these, as the sampler's does."""
-    hf_model = unwrap(model)
-    logits = hf_model.get_output_embeddings()(hidden)
+    """The logits `model`'s forward returns, from its last hidden states (N, H) -> (N, V), in at least fp32: the
+    LM head, then what some architectures apply after it. The temperature goes after these, as sampled."""
+    config, logits = unwrap(model).config, unwrap(model).get_output_embeddings()(hidden)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    config = hf_model.config
     if getattr(config, "logit_scale", None):  # Cohere
         logits = logits * config.logit_scale
     if getattr(config, "logits_scaling", None):  # Granite
@@ -1244,15 +921,14 @@ def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
 
 def response_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
                            **forward_kwargs) -> torch.Tensor:
-    """The last hidden states that score the response tokens: (B, P+L) ids and mask -> (B, L, H), from
-    columns P-1 .. P+L-2 (the state at column t predicts token t+1).
+    """The last hidden states that score the response tokens: (B, P+L) ids and mask -> (B, L, H), columns
+    P-1 .. P+L-2 (the state at column t predicts token t+1).
 
     Rows with the same prompt (a group's G completions) share its forward: each distinct prompt runs once
-    with the KV cache, then every row's response runs against its prompt's cached keys and values.
-    Attention is causal, so the values are those of one forward of the whole rows, and each weight's
-    gradient is the same sum over the rows, for P + G L positions instead of G (P + L). The rows run whole
-    when no prompt repeats (on some rank, for a DDP or FSDP model), under gradient checkpointing in train
-    mode, and for a model whose cache is not plain keys and values."""
+    with the KV cache, then every row's response runs against its prompt's keys and values. Attention is
+    causal, so the values are those of the whole rows, and each weight's gradient the same sum over rows,
+    for P + G L positions instead of G (P + L). The rows run whole when no prompt repeats (on some rank, for
+    a DDP or FSDP model), under gradient checkpointing in train mode, and when the cache is not plain."""
     P, hf_model = prompt_length, unwrap(model)
     prompts, row_prompt = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], 1), dim=0,
                                        return_inverse=True)  # (N, 2P) distinct prompts; (B,) each row's
@@ -1262,8 +938,7 @@ def response_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch
         prompt_ids, prompt_mask = prompts[:, :P], prompts[:, P:]
         first = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
                       use_cache=True, output_hidden_states=True, **forward_kwargs)
-        cache = getattr(first, CACHE)
-        if plain_cache(cache, P):
+        if plain_cache(cache := getattr(first, CACHE), P):
             cache.batch_select_indices(row_prompt)  # each row's prompt keys and values; gradients add up over rows
             rest = model(input_ids=input_ids[:, P:], attention_mask=attention_mask,
                          position_ids=position_ids(attention_mask)[:, P:], **{CACHE: cache}, use_cache=True,
@@ -1291,12 +966,11 @@ def _token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, model, temperat
 def get_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, temperature: float,
                  chunk_size: int | None = None, entropy: bool = True, recompute_above: int = 2**27
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs of the response tokens under `model` (DDP-wrapped or not), and their entropy:
-    (B, P+L) ids and mask -> logprobs (B, L) in fp32, entropy (B, L) without gradient (None unless
-    `entropy`); both 0 after EOS. With gradients and up to `recompute_above` logits (512 MB in fp32), the
-    logits are computed in one product and kept for the backward pass. Otherwise the vocabulary projection
-    runs in chunks of `chunk_size` positions (default: 2^25 logits), recomputed in the backward pass, so
-    the full (B, L, V) log-softmax never exists at once."""
+    """Per-token log-probs (B, L) in fp32 of the response tokens under `model` (DDP-wrapped or not), and their
+    entropy (without gradient; None unless `entropy`), both 0 after EOS. With gradients and up to
+    `recompute_above` logits (512 MB in fp32) the logits are computed in one product and kept for the
+    backward pass; else in chunks of `chunk_size` positions (2^25 logits), recomputed in the backward pass,
+    so that the whole (B, L, V) log-softmax never exists at once."""
     hidden = response_hidden_states(model, input_ids, attention_mask, prompt_length, logits_to_keep=1)  # (B, L, H)
     B, L, H = hidden.shape
     hidden, targets = hidden.reshape(B * L, H), input_ids[:, prompt_length:].reshape(B * L)
@@ -1325,10 +999,9 @@ def rollout_logprobs(model, rollout: Rollout, temperature: float, micro_batch_si
 def sampler_logprob_gap(sampler_logprobs: torch.Tensor, logprobs: torch.Tensor, response_mask: torch.Tensor,
                         correction: str = "none", cap: float = 2.0) -> dict[str, torch.Tensor]:
     """How far the trainer's log-probs (B, L) of the sampled tokens are from the sampler's, over every rank's
-    response tokens: `policy/sampler_logprob_gap` (mean |difference|) and `_max`. Both are ~1e-6 when the two
-    compute the same distribution in fp32; a large value means the completions were not drawn from the
-    distribution that the loss assumes. With a `correction`, what it did: the mean of its weights and the
-    fraction of tokens truncated (tis: w > cap) or masked (mis: w outside [1/cap, cap])."""
+    response tokens: `policy/sampler_logprob_gap` (mean |difference|) and `_max`, ~1e-6 when the two compute
+    the same distribution in fp32. With a `correction`, what it did: the mean of its weights and the share of
+    tokens truncated (tis: w > cap) or masked (mis: w outside [1/cap, cap])."""
     mask = response_mask.bool()
     difference = torch.where(mask, (sampler_logprobs - logprobs).abs(), 0.0).double()  # (B, L)
     sums = [difference.sum(), mask.sum().double()]
@@ -1349,16 +1022,13 @@ def sampler_logprob_gap(sampler_logprobs: torch.Tensor, logprobs: torch.Tensor, 
 def rollout_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, correction: str, cap: float
                     ) -> torch.Tensor | None:
     """The rollout correction's per-token weights (B, L), without gradient; None for "none". A sampler other
-    than the trainer (vLLM: bf16, its own kernels) draws from a distribution pi_s that is not the trainer's
-    pi_old even at the same weights, so each token's term of the loss is weighted by w = pi_old / pi_s:
-    "tis": min(w, cap), truncated importance sampling (Yao et al. 2025); "mis": 1 where 1/cap <= w <= cap,
-    else 0, the token left out (masked importance sampling, IcePop). Positions after EOS (both 0) get 1."""
+    than the trainer (vLLM: bf16, its own kernels) draws from pi_s, not the trainer's pi_old, even at the same
+    weights, so each token's loss is weighted by w = pi_old / pi_s: "tis": min(w, cap), truncated importance
+    sampling (Yao et al. 2025); "mis": 1 where 1/cap <= w <= cap, else 0 (masked, IcePop). After EOS: 1."""
     if correction == "none":
         return None
     ratio = (old_logprobs - sampler_logprobs).clamp(-20, 20).exp().detach()  # (B, L) pi_old / pi_s
-    if correction == "tis":
-        return ratio.clamp(max=cap)
-    return ((ratio >= 1 / cap) & (ratio <= cap)).to(ratio.dtype)
+    return ratio.clamp(max=cap) if correction == "tis" else ((ratio >= 1 / cap) & (ratio <= cap)).to(ratio.dtype)
 
 
 def reweighted(logprobs: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
@@ -1368,9 +1038,7 @@ def reweighted(logprobs: torch.Tensor, weights: torch.Tensor | None) -> torch.Te
     return logprobs if weights is None else weights * logprobs + (1 - weights) * logprobs.detach()
 
 
-# ---------------------------------------------------------------------------------------------
-# 7. Metrics and logging
-# ---------------------------------------------------------------------------------------------
+# 7. Metrics and logging -----------------------------------------------------------------------------------------
 
 
 def mean_metrics(dicts: list[dict[str, float | torch.Tensor]]) -> dict[str, float | torch.Tensor]:
@@ -1386,9 +1054,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def step_metrics(rewards: torch.Tensor, components: dict[str, torch.Tensor], rollout: Rollout,
                  times: dict[str, float], step_start: float) -> dict[str, float | torch.Tensor]:
-    """What a step sampled: reward/mean, /std and each component's mean, response/length_mean and
-    /truncated_frac; and what it cost: perf/step_s, perf/<name>_s for each timed part, perf/tokens_per_s
-    (this rank's response tokens times the ranks: averaged over ranks, the whole step's) and perf/peak_mem_gb."""
+    """What a step sampled (rewards, response lengths, truncation) and what it cost (seconds of each timed part,
+    tokens per second: this rank's times the ranks, so that the mean over ranks is the step's; peak memory)."""
     lengths, step_s = rollout.response_mask.sum(-1), time.perf_counter() - step_start
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     return {"reward/mean": rewards.mean(), "reward/std": rewards.std(),
@@ -1405,13 +1072,12 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident memory: /proc's VmHWM where there is one (Linux carries `ru_maxrss` over
-    fork and exec, so a process started by a larger one would report the other's peak)."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024  # kB
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux, bytes on macOS: rough
+    """This process's peak resident memory: /proc's VmHWM, as Linux carries `ru_maxrss` over fork and exec (a
+    process started by a larger one would report that one's); ru_maxrss elsewhere (bytes on macOS)."""
+    status = Path("/proc/self/status")
+    if not status.exists():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return next(int(line.split()[1]) for line in status.read_text().splitlines() if line.startswith("VmHWM:")) * 1024
 
 
 @contextlib.contextmanager
@@ -1423,16 +1089,13 @@ def timed(seconds: dict[str, float], name: str):
 
 
 class Logger:
-    """Takes the run folder (`claim_run_dir`), then logs each step's metrics, averaged over ranks (call it on
-    every rank): one line on stdout, every metric as JSON lines in `<run_dir>/metrics.jsonl` (NaN and inf
-    as null, so every line is valid JSON), TensorBoard when installed, Weights & Biases with `--track`.
-    Only rank 0 writes."""
+    """Each step's metrics, averaged over ranks (call it on every rank; only rank 0 writes): one line on stdout
+    with the ETA, every metric as a JSON line in `<run_dir>/metrics.jsonl` (NaN and inf as null, so every line
+    is valid JSON), TensorBoard when installed, Weights & Biases with `track`. Writes config.json too."""
 
     SHOWN = ("reward/mean", "eval/accuracy", "eval/accuracy_greedy", "loss/policy", "policy/clipfrac", "perf/step_s")
 
-    def __init__(self, run_dir: Path, checkpoint: Path | None, config: dict, rank: int, track: bool = False,
-                 num_steps: int | None = None):
-        claim_run_dir(run_dir, checkpoint, rank)  # from here on this run writes there; a run holding it stops here
+    def __init__(self, run_dir: Path, config: dict, rank: int, track: bool = False, num_steps: int | None = None):
         self.enabled, self.num_steps, self.start, self.first_step = rank == 0, num_steps, time.perf_counter(), None
         self.wandb = self.tensorboard = None
         if not self.enabled:
@@ -1443,8 +1106,8 @@ class Logger:
             except ImportError:
                 raise UsageError("--track needs wandb: pip install wandb") from None
             self.wandb = wandb.init(name=run_dir.name, config=config)
-        replace_file(run_dir / "config.json", json.dumps(recorded(config), indent=2, default=str))
-        self.file = open_to_append(run_dir / "metrics.jsonl")  # a resumed run appends (claim_run_dir cut it back)
+        (run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        self.file = open(run_dir / "metrics.jsonl", "a")  # a resumed run appends (claim_run_dir cut it back)
         with contextlib.suppress(ImportError):
             from torch.utils.tensorboard import SummaryWriter
 
@@ -1454,19 +1117,16 @@ class Logger:
         metrics = all_reduce_mean(metrics)
         if not self.enabled:
             return
-        finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in metrics.items()}
-        self.file.write(json.dumps({"step": step, **finite}, allow_nan=False) + "\n")
+        self.file.write(json.dumps({"step": step, **{k: v if math.isfinite(v) else None for k, v in metrics.items()}})
+                        + "\n")
         self.file.flush()
         shown = " | ".join(f"{k} {metrics[k]:.4g}" for k in self.SHOWN if k in metrics)
-        progress = ""
-        if self.num_steps is not None:  # from the mean time of the steps this process ran
+        if self.num_steps is not None:  # the ETA from the mean time of the steps this process ran
             self.first_step = step if self.first_step is None else self.first_step
             elapsed, left = time.perf_counter() - self.start, self.num_steps - step - 1
-            done = step + 1 - self.first_step
-            eta = f", ETA {datetime.timedelta(seconds=round(elapsed / done * left))}" if left > 0 else ""
-            progress = f"/{self.num_steps}"
-            shown += f" | {datetime.timedelta(seconds=round(elapsed))} elapsed{eta}"
-        print(f"step {step:>4}{progress} | {shown}", flush=True)
+            eta = f", ETA {datetime.timedelta(seconds=round(elapsed / (step + 1 - self.first_step) * left))}"
+            shown += f" | {datetime.timedelta(seconds=round(elapsed))} elapsed{eta if left > 0 else ''}"
+        print(f"step {step:>4}{'' if self.num_steps is None else f'/{self.num_steps}'} | {shown}", flush=True)
         for key, value in metrics.items() if self.tensorboard else ():
             self.tensorboard.add_scalar(key, value, step)
         if self.wandb:
@@ -1481,34 +1141,54 @@ class Logger:
                 self.wandb.finish()
 
 
-# ---------------------------------------------------------------------------------------------
-# 8. Run folder
-# ---------------------------------------------------------------------------------------------
+# 8. Run folder --------------------------------------------------------------------------------------------------
 
 CHECKPOINT_INFO = "checkpoint.json"  # in every checkpoint folder: the file, step, ranks and flags that wrote it
 TRAINING_STATE = "training_state"  # the resumable state: torch.distributed.checkpoint's safetensors shards
-RUN_LOCK = ".run.lock"  # in every run folder; held (fcntl) by the process that writes into the folder
+RUN_LOCK = ".run.lock"  # in every run folder; locked (flock) by the process that writes into the folder
 NOT_COMPARED = ("resume", "run_name", "output_dir")  # flags that differ between a run and its resumption
-_HELD_LOCKS: dict[str, int] = {}  # run folder -> open lock file: kept open for the life of the process
+_held_locks = {}  # run folder -> its open lock file, held by this process until it ends
 
 
 def prepare_run_dir(run_info: dict, rank: int) -> tuple[Path, Path | None]:
     """(the run's folder, the checkpoint to resume from or None), the same on every rank; nothing is written
-    yet (`claim_run_dir` does, once the models are loaded). run_info: {"algorithm": the file's name,
-    "config": asdict(args)}. A run writes to <output-dir>/<run-name>, with one exception: `--resume
-    <run>/step_N` without --run-name goes on in <run> when step_N is its newest checkpoint. Any other
-    resume starts a new run folder. A checkpoint of another file, model or number of ranks stops here."""
-    return _decided_on_rank_0(_find_run_dir, rank, run_info)
+    yet. run_info: {"algorithm": the file's name, "config": asdict(args)}. A run writes to
+    <output-dir>/<run-name>, except that `--resume <run>/step_N` without --run-name goes on in <run> when
+    step_N is its newest checkpoint; any other resume starts a new run folder."""
+    return _on_rank_0(_find_run_dir, rank, run_info)
 
 
 def claim_run_dir(run_dir: Path, checkpoint: Path | None, rank: int) -> None:
-    """Take run_dir for this process, before it writes anything there: a new folder is created with its lock
-    held (an atomic rename), an existing one is locked (fcntl: released by the OS when the process ends,
-    even killed), so a second run with the same name stops here. Its metrics.jsonl then holds what the run
-    logged before the checkpoint's step (a new folder: the checkpoint's run's); a metrics file that held
-    more is kept as metrics.jsonl.old."""
-    _decided_on_rank_0(_claim_run_dir, rank, run_dir, checkpoint)
+    """Take run_dir before anything is written there: created and locked (flock, released by the OS when the
+    process ends, even killed), so a second run of that name stops here. Its metrics.jsonl: the lines of the
+    checkpoint's run before its step (none for a new run), what it held kept as metrics.jsonl.old. From here on
+    a Ctrl-C prints the command that goes on from the last checkpoint, not a traceback."""
+    _on_rank_0(_claim, rank, run_dir, checkpoint)
     sys.excepthook = functools.partial(_explain_interrupt, sys.excepthook, run_dir, rank)
+
+
+def _claim(run_dir: Path, checkpoint: Path | None) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if str(run_dir.resolve()) not in _held_locks:  # (else an earlier run in this process holds it)
+        lock = open(run_dir / RUN_LOCK, "a")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(f"--run-name {run_dir.name}: {run_dir} is in use by another run that is still going. "
+                             "Wait for it to end, or choose another --run-name.") from None
+        _held_locks[str(run_dir.resolve())] = lock
+    _refuse_a_finished_run(run_dir, checkpoint)  # again under the lock: another run may have written since
+    step, metrics = _read_info(checkpoint)["step"] if checkpoint else 0, run_dir / "metrics.jsonl"
+    logged = checkpoint.parent / "metrics.jsonl" if checkpoint else metrics  # the checkpoint's run's, if any
+    kept = [line for line in (logged.read_text().splitlines(keepends=True) if logged.exists() else [])
+            if line.endswith("\n") and json.loads(line)["step"] < step]
+    lines = metrics.read_text().splitlines(keepends=True) if metrics.exists() else []
+    if kept != lines:  # the new file first, so that a full disk leaves the old one as it was
+        (tmp := metrics.with_name("metrics.jsonl.tmp")).write_text("".join(kept))
+        if lines:
+            print(f"{run_dir}: this run logs from step {step}; the metrics that were there are kept in "
+                  f"{_move_aside(metrics)}", flush=True)
+        tmp.rename(metrics)
 
 
 def _explain_interrupt(excepthook, run_dir: Path, rank: int, kind, value, traceback) -> None:
@@ -1524,29 +1204,25 @@ def resume_hint(run_dir: Path) -> str:
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is None:
         return f"No checkpoint was written (see --save-every): the run cannot be resumed. Its metrics are in {run_dir}."
-    argv, kept = sys.argv[1:], []
-    replaced = ("--resume", "--run-name", "--output-dir", "--run_name", "--output_dir")
-    for i, arg in enumerate(argv):
-        if not (arg in replaced or arg.startswith(tuple(f"{flag}=" for flag in replaced))
-                or (i > 0 and argv[i - 1] in replaced)):
-            kept.append(arg)
+    argv, replaced = sys.argv[1:], ("--resume", "--run-name", "--output-dir", "--run_name", "--output_dir")
+    kept = [a for i, a in enumerate(argv)
+            if a.split("=")[0] not in replaced and (i == 0 or argv[i - 1] not in replaced)]
     world_size, nodes = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("GROUP_WORLD_SIZE", 1))
-    launcher = ["python"] if world_size == 1 else ["torchrun", f"--nproc_per_node={world_size}"]
-    if nodes > 1:  # torchrun's agents, one per node
-        launcher = ["torchrun", f"--nnodes={nodes}", f"--nproc_per_node={os.environ['LOCAL_WORLD_SIZE']}"]
+    launcher = ["torchrun", f"--nnodes={nodes}", f"--nproc_per_node={world_size // nodes}"] if world_size > 1 else \
+        ["python"]
     command = shlex.join([*launcher, sys.argv[0], *kept, "--output-dir", str(run_dir.parent), "--run-name",
                           run_dir.name, "--resume", "latest"])
-    where = " (on every node, with its rendezvous flags)" if nodes > 1 else ""
-    return f"Last checkpoint: {checkpoint}. Go on from it with: {command}{where}"
+    return f"Last checkpoint: {checkpoint}. Go on from it with: {command}" + \
+        (" (on every node, with its rendezvous flags)" if nodes > 1 else "")
 
 
-def _decided_on_rank_0(fn, rank: int, *args):
-    """fn(*args) on rank 0, its result (or its usage error, raised) on every rank."""
+def _on_rank_0(fn, rank: int, *args):
+    """fn(*args) on rank 0, its result (or its usage or OS error, as a UsageError) on every rank."""
     result, error = None, None
     if rank == 0:
         try:
             result = fn(*args)
-        except UsageError as stop:
+        except (UsageError, OSError) as stop:
             error = str(stop)
     if dist.is_initialized():
         box = [(result, error)]
@@ -1565,202 +1241,56 @@ def _find_run_dir(run_info: dict) -> tuple[Path, Path | None]:
     if resume == "latest":
         if run_name is None:
             raise UsageError("--resume latest continues the run named by --run-name: pass it.")
-        checkpoint = latest_checkpoint(run_dir, strict=True)
+        checkpoint = latest_checkpoint(run_dir)
         if checkpoint is None:
-            again = ("Run it again without --resume: it starts over in that folder (what it logged is kept aside)."
-                     if _is_run_dir(run_dir) and not _has_checkpoints(run_dir) else
-                     "Pass the --run-name of the run to continue (its checkpoints are written every --save-every "
-                     "steps), or a checkpoint folder.")
-            raise UsageError(f"--resume latest: no checkpoint under {run_dir}. {again}")
+            raise UsageError(f"--resume latest: no checkpoint under {run_dir}. Pass the --run-name of a run saved with "
+                             "--save-every, or a checkpoint folder; or run it again without --resume.")
     elif resume:
         checkpoint = Path(resume)
-        if not _read_checkpoint_info(checkpoint).get("resumable"):
+        if not _read_info(checkpoint).get("resumable"):
             raise UsageError(f"--resume {resume}: not a resumable checkpoint (no {CHECKPOINT_INFO} of a step "
-                             f"checkpoint). Pass a <run>/step_N folder written by --save-every, or 'latest' with "
+                             "checkpoint). Pass a <run>/step_N folder written by --save-every, or 'latest' with "
                              "--run-name.")
-        if run_name is None and _continues(checkpoint.parent, checkpoint):
-            run_dir = checkpoint.parent
+        if run_name is None and (checkpoint.parent / RUN_LOCK).exists() and _newest(checkpoint.parent, checkpoint):
+            run_dir = checkpoint.parent  # a run folder's newest checkpoint: that run goes on
     if checkpoint is not None:
         _check_same_run(checkpoint, run_info)
-        _metrics_lines(checkpoint.parent)  # a damaged line stops here, before anything is loaded
-    _refuse_links(run_dir)
-    if not _continues(run_dir, checkpoint):
-        _can_start_in(run_dir)
+    _refuse_a_finished_run(run_dir, checkpoint)
     return run_dir, checkpoint
 
 
-def _continues(run_dir: Path, checkpoint: Path | None) -> bool:
-    """Whether a resume from `checkpoint` goes on in run_dir: the newest checkpoint of that run folder."""
-    newest = latest_checkpoint(run_dir) if checkpoint is not None and _is_run_dir(run_dir) else None
-    return newest is not None and newest.resolve() == Path(checkpoint).resolve()
+def _newest(run_dir: Path, checkpoint: Path | None) -> bool:
+    """Whether `checkpoint` is the newest checkpoint of run_dir: a resume from it goes on in run_dir."""
+    newest = latest_checkpoint(run_dir) if checkpoint is not None else None
+    return newest is not None and newest.resolve() == checkpoint.resolve()
 
 
-def _can_start_in(run_dir: Path) -> None:
-    """Stop unless a new run may write into run_dir: a new or empty folder, or one of this project's runs
-    (it holds the run lock) with no checkpoint and no final/ (a start that failed, or a run killed before
-    its first checkpoint)."""
-    if not os.path.lexists(run_dir):
-        return
-    if not run_dir.is_dir():
-        raise UsageError(f"--run-name {run_dir.name}: {run_dir} is a file, not a run folder. Choose another --run-name "
-                         "or --output-dir.")
-    names = sorted(p.name for p in run_dir.iterdir())
-    if names and not _is_run_dir(run_dir):
-        raise UsageError(f"--run-name {run_dir.name}: {run_dir} holds files that are not a run's of this project "
-                         f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}). Choose another --run-name or "
-                         "--output-dir.")
-    if _has_checkpoints(run_dir):
+def _refuse_a_finished_run(run_dir: Path, checkpoint: Path | None) -> None:
+    """A run writes into a folder that holds checkpoints or final/ only to go on from its newest checkpoint."""
+    if not _newest(run_dir, checkpoint) and (_step_folders(run_dir) or (run_dir / "final").exists()):
         go_on = "Continue it with --resume latest, or choose" if latest_checkpoint(run_dir) else "Choose"
         raise UsageError(f"--run-name {run_dir.name}: {run_dir} already holds a run. {go_on} another --run-name or "
                          "--output-dir.")
 
 
-def _is_run_dir(path: Path) -> bool:
-    return os.path.lexists(path / RUN_LOCK)
-
-
-def _has_checkpoints(run_dir: Path) -> bool:
-    return bool(_step_folders(run_dir)) or os.path.lexists(run_dir / "final")
-
-
-def _refuse_links(run_dir: Path) -> None:
-    """Stop when run_dir holds a symbolic link: a write through it would land wherever it points."""
-    for path in run_dir.iterdir() if run_dir.is_dir() else ():
-        if path.is_symlink():
-            raise UsageError(f"{path} is a symbolic link: a run folder holds none (a write through it would land "
-                             "elsewhere). Remove it, or choose another --run-name.")
-
-
-def _claim_run_dir(run_dir: Path, checkpoint: Path | None) -> None:
-    continues = _continues(run_dir, checkpoint)
-    if not continues:
-        _can_start_in(run_dir)  # before the lock is created in it: a folder of someone else's stays as it was
-    _lock(run_dir)
-    _refuse_links(run_dir)  # checked again under the lock: another run may have written since start-up
-    if not continues:
-        _can_start_in(run_dir)
-    step = _read_checkpoint_info(checkpoint)["step"] if checkpoint else 0
-    kept = "".join(line for n, line in _metrics_lines(checkpoint.parent) if n < step) if checkpoint else ""
-    metrics = run_dir / "metrics.jsonl"
-    if (metrics.read_bytes() if metrics.is_file() else b"") != kept.encode():  # a FIFO there would block a read
-        try:
-            aside = replace_file(metrics, kept, keep_old=True)
-        except OSError as error:
-            raise UsageError(f"{metrics}: cannot write the lines before step {step} ({error.strerror}: "
-                             f"{error.filename}). Nothing was changed: free some space and run again.") from None
-        if aside:
-            print(f"{run_dir}: this run logs from step {step}; the metrics that were there are kept in {aside}",
-                  flush=True)
-
-
-def _lock(run_dir: Path) -> None:
-    """Hold run_dir's lock for the rest of this process (released by the OS when it ends, even killed)."""
-    key = str(run_dir.resolve())
-    if key in _HELD_LOCKS:
-        return
-    try:  # another run may create or lock it at the same time: whichever locks first goes on
-        run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(run_dir / RUN_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    except OSError as error:
-        if error.errno == errno.ELOOP:
-            _refuse_links(run_dir)
-        raise UsageError(f"--output-dir {run_dir.parent}: cannot create the run folder {run_dir}: "
-                         f"{error.strerror or error}. Choose a writable --output-dir.") from None
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as error:
-        os.close(fd)
-        if isinstance(error, (BlockingIOError, PermissionError)):
-            raise UsageError(f"--run-name {run_dir.name}: {run_dir} is in use by another run that is still going (it "
-                             "holds the folder's lock). Wait for it to end, or choose another --run-name.") from None
-        raise UsageError(f"--output-dir {run_dir.parent}: cannot lock {run_dir / RUN_LOCK} ({error.strerror}), so two "
-                         "runs could write into one folder. Use an --output-dir on a file system with locks.") from None
-    _HELD_LOCKS[key] = fd
-
-
-def open_to_append(path: Path):
-    """A file of the run folder opened to append, never through a link: the path must be a plain file of its
-    own (not a symbolic link, a FIFO or a device, nor a hard link that another name shares) or not exist yet."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-        status = os.fstat(fd)
-        if stat.S_ISREG(status.st_mode) and status.st_nlink == 1:
-            return os.fdopen(fd, "a", encoding="utf-8")
-        os.close(fd)
-    except OSError as error:
-        if error.errno not in (errno.ELOOP, errno.ENXIO):  # a symbolic link; a FIFO that nothing reads
-            raise
-    raise UsageError(f"{path} is not a plain file of its own (a link, or a device): a run folder holds none. "
-                     "Remove it, or choose another --run-name.")
-
-
-def replace_file(path: Path, text: str, keep_old: bool = False) -> Path | None:
-    """Write `text` to a new file beside `path` and rename it to `path`: what was there (even a link) is
-    replaced, never written through, and a failed write (a full disk) leaves it as it was. With `keep_old`
-    a non-empty file that was there is renamed to `<path>.old` first; returns where it went."""
-    tmp, aside = path.with_name(f".{path.name}.tmp-{os.getpid()}"), None
-    try:
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w",
-                       encoding="utf-8") as file:
-            file.write(text)
-        if keep_old and path.is_file() and path.stat().st_size:
-            aside = _move_aside(path)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return aside
-
-
 def _move_aside(path: Path) -> Path:
     """Rename `path` to the first of `<path>.old`, `<path>.old.2`, ... that does not exist yet."""
     k, aside = 1, path.with_name(f"{path.name}.old")
-    while os.path.lexists(aside):
+    while aside.exists():
         k, aside = k + 1, path.with_name(f"{path.name}.old.{k + 1}")
-    path.rename(aside)
-    return aside
+    return path.rename(aside)
 
 
-def recorded(config: dict) -> dict:
-    """The flags as config.json and checkpoint.json record them: a --model inside this repository (the default,
-    tiny_model/) by its path relative to the repository, so that a copied or moved repository resumes its runs."""
-    model = Path(config.get("model", "")).expanduser()
-    if model.is_absolute() and model.resolve().is_relative_to(ROOT):
-        return {**config, "model": str(model.resolve().relative_to(ROOT))}
-    return config
+def _read_info(checkpoint: Path) -> dict:
+    """The checkpoint.json of a checkpoint folder: the algorithm file, step, number of ranks and flags that
+    wrote it ({} when there is none: not a checkpoint of this project)."""
+    file = Path(checkpoint) / CHECKPOINT_INFO
+    return json.loads(file.read_text()) if file.is_file() else {}
 
 
-def _read_checkpoint_info(path: Path, strict: bool = True) -> dict:
-    """The checkpoint.json of a checkpoint folder ({} when there is none); a damaged one stops the run naming
-    what is wrong with it, or without `strict` reads as {}."""
-    path, fields = Path(path), {"algorithm": str, "step": int, "world_size": int, "resumable": bool, "config": dict}
-    file = path / CHECKPOINT_INFO
-    if not file.is_file():
-        return {}
-    try:
-        info = json.loads(file.read_bytes().decode())
-    except (OSError, ValueError, RecursionError):
-        info = None
-    if not isinstance(info, dict):
-        problem = "not a JSON object"
-    else:
-        problem = next((f"{key!r} missing, or not a {kind.__name__}" for key, kind in fields.items()
-                        if not isinstance(info.get(key), kind) or (kind is int and isinstance(info[key], bool))), None)
-        if problem is None and not isinstance(info["config"].get("model"), str):
-            problem = "its config has no 'model'"
-        elif problem is None and re.fullmatch(r"step_\d+", path.name) and path.name != f"step_{info['step']}":
-            problem = f"step {info['step']} in the folder {path.name}"
-    if problem and strict:
-        raise UsageError(f"{file} is damaged ({problem}). Resume from another checkpoint (--resume <run>/step_N), "
-                         f"or move {path.name} out of the run folder.")
-    return {} if problem else info
-
-
-def latest_checkpoint(run_dir: Path, strict: bool = False) -> Path | None:
-    """The resumable checkpoint of the highest step in run_dir (never a half-written `step_N.tmp`). A damaged
-    checkpoint.json is passed over, or with `strict` (what --resume latest reads) stops the run naming it."""
-    found = [p for p in _step_folders(run_dir) if _read_checkpoint_info(p, strict).get("resumable")]
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The resumable checkpoint of the highest step in run_dir (never a half-written `step_N.tmp`)."""
+    found = [p for p in _step_folders(run_dir) if _read_info(p).get("resumable")]
     return found[-1] if found else None
 
 
@@ -1770,195 +1300,114 @@ def _step_folders(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
-def _metrics_lines(run_dir: Path) -> list[tuple[int, str]]:
-    """(step, line) for each complete line of run_dir's metrics.jsonl (a last line cut short by a crash is left
-    out), or a stop naming a line that this project does not write."""
-    path, lines = run_dir / "metrics.jsonl", []
-    for number, raw in enumerate(path.read_bytes().split(b"\n")[:-1] if path.is_file() else [], 1):
-        try:
-            record = json.loads(raw.decode())
-        except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
-            record = None
-        if isinstance(record, dict) and type(record.get("step")) is int and record["step"] >= 0:
-            lines.append((record["step"], raw.decode() + "\n"))
-            continue
-        raise UsageError(f"{path}:{number}: not a line this project writes (a JSON object with an integer 'step'). "
-                         f"Delete the line, or move {path.name} out of the folder (the checkpoints do not need it).")
-    return lines
-
-
 def _check_same_run(checkpoint: Path, run_info: dict) -> None:
-    """Stop when the checkpoint was written by another algorithm file, model or number of ranks; print the
-    other flags that changed (escaped: the values come from a file)."""
-    saved, config = _read_checkpoint_info(checkpoint), recorded(run_info["config"])
-    saved_config, shown = recorded(saved["config"]), lambda text: text if text.isprintable() else repr(text)
+    """Stop when the checkpoint was written by another algorithm file or number of ranks, or when it is at or
+    past --num-steps; print the other flags that changed."""
+    saved, config = _read_info(checkpoint), run_info["config"]
     if saved["algorithm"] != run_info["algorithm"]:
-        raise UsageError(f"--resume {checkpoint}: written by {shown(saved['algorithm'])}, resumed by "
-                         f"{run_info['algorithm']}. Resume it with {shown(saved['algorithm'])}, or start "
+        raise UsageError(f"--resume {checkpoint}: written by {saved['algorithm']}, resumed by "
+                         f"{run_info['algorithm']}. Resume it with {saved['algorithm']}, or start "
                          f"{run_info['algorithm']} from its weights with --model {checkpoint}.")
-    if saved_config["model"] != config["model"]:
-        trained = saved_config["model"]  # as recorded: one inside this repository relative to it
-        trained = str(ROOT / trained) if (ROOT / trained).exists() else shown(trained)
-        raise UsageError(f"--resume {checkpoint}: trained from --model {trained}, resumed with --model "
-                         f"{run_info['config']['model']}. Resume with --model {trained}.")
     if saved["world_size"] != config["world_size"]:
         raise UsageError(f"--resume {checkpoint}: written by {saved['world_size']} rank(s), resumed on "
                          f"{config['world_size']}. Resume with --nproc_per_node={saved['world_size']} (each rank's "
                          f"sampling stream and algorithm state are its own), or start a new run from its weights "
                          f"with --model {checkpoint}.")
-    changed = [f"--{key.replace('_', '-')} {saved_config[key]!r} -> {value!r}" for key, value in config.items()
-               if key not in NOT_COMPARED and key in saved_config and saved_config[key] != value]
+    if saved["step"] >= config["num_steps"]:
+        raise UsageError(f"--num-steps {config['num_steps']}: the checkpoint {checkpoint} is at step {saved['step']}. "
+                         "Pass a larger --num-steps to train on from it.")
+    changed = [f"--{key.replace('_', '-')} {saved['config'][key]!r} -> {value!r}" for key, value in config.items()
+               if key not in NOT_COMPARED and key in saved["config"] and saved["config"][key] != value]
     if changed:
         print(f"--resume {checkpoint}: flags changed since the checkpoint: {', '.join(changed)}", flush=True)
 
 
-# ---------------------------------------------------------------------------------------------
-# 9. Checkpoints
-# ---------------------------------------------------------------------------------------------
+# 9. Checkpoints -------------------------------------------------------------------------------------------------
 
 
 def save_checkpoint(path: Path, modules: dict[str, torch.nn.Module], tokenizer, rank: int, run_info: dict,
                     optimizer=None, step: int = 0, extra: dict | None = None, keep: int = 0) -> None:
-    """Write a checkpoint folder; call on every rank. It holds:
-
-    - the policy (modules["policy"]) and tokenizer in `save_pretrained` format, so it loads anywhere with
-      `from_pretrained` (under FSDP the weights are gathered to rank 0's CPU memory for this);
-    - checkpoint.json: the algorithm file, the step, the number of ranks and every flag (run_info);
-    - with an optimizer, the resumable state: every module's weights and the optimizer state in
-      training_state/, written by torch.distributed.checkpoint as safetensors (each rank writes only its
-      own shards), and rank_<r>.safetensors with each rank's RNG states and algorithm state `extra`.
-
-    Everything is written into `<path>.tmp`, fsync'd, and renamed to `path` when every rank has written its
-    part, so a crash never leaves a partial folder under `path`. A failed write (disk full, permissions) or a
-    Ctrl-C removes the .tmp folder; earlier checkpoints are untouched. A folder already at `path` is moved
-    aside, never deleted. With `keep` > 0, only the newest `keep` step checkpoints are kept."""
-    path = Path(path)
+    """Write a checkpoint folder (call on every rank): the policy and tokenizer in `save_pretrained` format (FSDP:
+    gathered to rank 0's CPU memory; LoRA: the adapters in adapter/, and in final/ the merged model beside
+    them); checkpoint.json (the file, step, ranks and flags); with an optimizer the resumable state: every
+    module's trained weights and the optimizer state in training_state/, safetensors written by DCP (each rank
+    its own shards), and rank_<r>.safetensors (each rank's RNG states and algorithm state `extra`).
+    All is written into `<path>.tmp`, flushed to disk and renamed once every rank has written its part: a
+    crash never leaves a partial `path` (a failed write or a Ctrl-C removes the .tmp). A folder already at
+    `path` is moved aside, never deleted; with `keep` > 0 only the newest `keep` step checkpoints are kept."""
+    path, distributed = Path(path), dist.is_initialized()
     tmp = path.with_name(path.name + ".tmp")
     try:
-        _write_checkpoint(path, tmp, modules, tokenizer, rank, run_info, optimizer, step, extra)
-    except KeyboardInterrupt:
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if rank == 0 and keep > 0:
-        for old in [p for p in _step_folders(path.parent) if _read_checkpoint_info(p, strict=False)][:-keep]:
-            try:
-                shutil.rmtree(old)
-            except OSError as error:  # rank 0 alone: a warning, never a stop that would leave the others waiting
-                print(f"warning: --keep-checkpoints {keep}: could not remove {old} ({error.strerror})", flush=True)
-
-
-def _write_checkpoint(path: Path, tmp: Path, modules: dict[str, torch.nn.Module], tokenizer, rank: int,
-                      run_info: dict, optimizer, step: int, extra: dict | None) -> None:
-    policy, distributed, error = modules["policy"], dist.is_initialized(), None
-    if rank == 0:
-        try:
             shutil.rmtree(tmp, ignore_errors=True)  # a .tmp folder is always this project's, left by a crash
             tmp.mkdir(parents=True)
-        except OSError as exc:
-            error = exc
-    _stop_if_any_failed(error, path, tmp, rank)  # the folder exists before any rank writes into it
-    try:
+        if distributed:
+            dist.barrier()  # the folder exists before any rank writes into it
         if optimizer is not None:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                state = _training_state(modules, optimizer)
-                # A weight and its optimizer state in a file of their own: safetensors builds a whole file in
-                # memory before writing it, so a save needs twice the largest weight's state, not the rank's.
-                number = {name: i for i, name in enumerate(state["model"], 1)}  # each weight's file
-                for name in state["optimizer"]:
-                    number.setdefault(name, len(number) + 1)
-                files = {f"model.{name}": number[name] for name in state["model"]}
-                files |= {f"optimizer.{name}.{key}": number[name] for name, values in state["optimizer"].items()
-                          for key in values}
-                writer = HuggingFaceStorageWriter(str(tmp / TRAINING_STATE), files, save_distributed=distributed)
-                dcp.save(state, storage_writer=writer, no_dist=not distributed)
-            cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-            tensors, own = {}, {"rng": torch.get_rng_state(), "cuda_rng": cuda_rng, "python_rng": random.getstate(),
-                                "extra": extra or {}}
-            plain = json.dumps(_flatten(own, tensors, "own"))  # the tensors go into `tensors`, the rest stays
-            (tmp / f"rank_{rank}.safetensors").write_bytes(safetensors_bytes(tensors, {"state": plain}))
-    except (Exception, dcp.CheckpointException) as exc:  # reported with its path below, on every rank
-        error = exc
-    weights = None
-    if isinstance(unwrap(policy), FSDPModule):  # collective: every rank takes part, rank 0 receives the weights
-        weights = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank == 0 and error is None:
-        try:
-            with transformers_quiet():
-                hf_model = unwrap(policy)
-                if is_lora(policy):  # the adapters, for PeftModel.from_pretrained; in final/ the merged model too
-                    hf_model.save_pretrained(tmp / "adapter", state_dict=weights)
-                if not is_lora(policy):
-                    hf_model.save_pretrained(tmp, state_dict=weights)
-                elif optimizer is None:
-                    hf_model.get_base_model().save_pretrained(tmp, state_dict=dict(plain_weights(policy, weights)))
+            _save_training_state(tmp, modules, optimizer, rank, extra)
+        policy, weights = modules["policy"], None
+        if isinstance(unwrap(policy), FSDPModule):  # collective: every rank takes part, rank 0 receives them
+            options = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)
+            weights = dcp_state.get_model_state_dict(policy, options=options)
+        if rank == 0:
+            hf_model = unwrap(policy)
+            if is_lora(policy):
+                hf_model.save_pretrained(tmp / "adapter", state_dict=weights)
+            if not is_lora(policy):
+                hf_model.save_pretrained(tmp, state_dict=weights)
+            elif optimizer is None:  # final/: the merged model, which loads without peft
+                hf_model.get_base_model().save_pretrained(tmp, state_dict=dict(plain_weights(policy, weights)))
             tokenizer.save_pretrained(tmp)
             info = {"algorithm": run_info["algorithm"], "step": step, "resumable": optimizer is not None,
-                    "world_size": dist.get_world_size() if distributed else 1, "config": recorded(run_info["config"])}
+                    "world_size": dist.get_world_size() if distributed else 1, "config": run_info["config"]}
             (tmp / CHECKPOINT_INFO).write_text(json.dumps(info, indent=2, default=str))
-            for file in [*tmp.rglob("*"), tmp]:  # flushed to disk, so that the rename that publishes it is durable
+            for file in [*tmp.rglob("*"), tmp]:  # on disk before the rename that publishes it
                 fd = os.open(file, os.O_RDONLY)
                 os.fsync(fd)
                 os.close(fd)
-        except Exception as exc:
-            error = exc
-    del weights
-    _stop_if_any_failed(error, path, tmp, rank)  # every rank has written its part
-    if rank == 0:
-        try:
+        del weights
+        if distributed:
+            dist.barrier()  # every rank has written its part
+        if rank == 0:
             if path.exists():
                 print(f"moved the earlier {path} aside to {_move_aside(path)}", flush=True)
             tmp.rename(path)
-        except OSError as exc:
-            error = exc
-    _stop_if_any_failed(error, path, tmp, rank)
+    except BaseException as error:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        failures = error.failures.values() if isinstance(error, dcp.CheckpointException) else ()
+        if any(isinstance(failure, KeyboardInterrupt) for failure, *_ in failures):
+            raise KeyboardInterrupt from None  # a Ctrl-C that DCP's writer caught is a Ctrl-C
+        raise
+    if rank == 0 and keep > 0:
+        for old in [p for p in _step_folders(path.parent) if _read_info(p).get("resumable")][:-keep]:
+            shutil.rmtree(old)
 
 
-def _stop_if_any_failed(error: BaseException | None, path: Path, tmp: Path, rank: int) -> None:
-    """Collective: when a rank's write failed, every rank stops with the path and each failed rank's cause,
-    and rank 0 removes the .tmp folder. A Ctrl-C that the writer wrapped (DCP in a CheckpointException,
-    a zip writer in the error it raises as it closes) is raised as the KeyboardInterrupt it is."""
-    if error is not None and any(isinstance(e, KeyboardInterrupt) for e in _chain(error)):
-        raise KeyboardInterrupt from error
-    errors = [None if error is None else _write_error(error)]
-    if dist.is_initialized():
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, None if error is None else _write_error(error))
-    failed = [(r, e) for r, e in enumerate(errors) if e]
-    if not failed:
-        return
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    where = "; ".join(f"rank {r}: {e}" for r, e in failed) if dist.is_initialized() else failed[0][1]
-    previous = latest_checkpoint(path.parent) if path.parent.exists() else None
-    kept = f"the last complete checkpoint, {previous}, is untouched" if previous else "there is no earlier checkpoint"
-    raise UsageError(f"could not write the checkpoint {path} ({where}). Removed {tmp.name}; {kept}.")
-
-
-def _chain(error: BaseException):
-    """The failure (inside a CheckpointException: DCP gathers each rank's), then its causes and contexts."""
-    if isinstance(error, dcp.CheckpointException) and error.failures:
-        error = next(iter(error.failures.values()))[0]
-    while error is not None:
-        yield error
-        error = error.__cause__ or error.__context__
-
-
-def _write_error(error: BaseException) -> str:
-    """The cause of a failed write in one line: the OS error and file when there is one, anywhere in the chain."""
-    for seen in _chain(error):
-        if isinstance(seen, OSError) and seen.strerror:
-            return f"{seen.strerror}: {seen.filename}" if seen.filename else seen.strerror
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[-1] if text else ''}"
+def _save_training_state(tmp: Path, modules: dict[str, torch.nn.Module], optimizer, rank: int, extra: dict | None):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        state = _training_state(modules, optimizer)
+        # A weight and its optimizer state in a file of their own: safetensors builds a whole file in memory
+        # before writing it, so a save needs twice the largest weight's state, not the rank's.
+        number = {name: i for i, name in enumerate(state["model"], 1)}  # each weight's file
+        for name in state["optimizer"]:
+            number.setdefault(name, len(number) + 1)
+        files = {f"model.{name}": number[name] for name in state["model"]}
+        files |= {f"optimizer.{name}.{key}": number[name] for name, values in state["optimizer"].items()
+                  for key in values}
+        writer = dcp.HuggingFaceStorageWriter(str(tmp / TRAINING_STATE), files, save_distributed=dist.is_initialized())
+        dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
+    cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    tensors, own = {}, {"rng": torch.get_rng_state(), "cuda_rng": cuda_rng, "python_rng": random.getstate(),
+                        "extra": extra or {}}
+    plain = json.dumps(_flatten(own, tensors, "own"))  # the tensors go into `tensors`, the rest stays
+    (tmp / f"rank_{rank}.safetensors").write_bytes(safetensors_bytes(tensors, {"state": plain}))
 
 
 def _training_state(modules: dict[str, torch.nn.Module], optimizer) -> dict:
-    """The resumable state as DCP writes it, tensors only: every module's trained weights (with LoRA the
-    adapters: the frozen rest is --model's), each rank's own (FSDP: its shards, as DTensors), a weight tied
-    to another (an LM head tied to the embeddings) once; and the optimizer's per-parameter state (its
-    hyper-parameters are the flags')."""
+    """The resumable state, tensors only: every module's trained weights (LoRA: the adapters; the frozen rest is
+    --model's), each rank's own (FSDP: its shards), a tied weight once; the optimizer's per-parameter state."""
     model = torch.nn.ModuleDict(modules)  # names the tensors "policy.<...>", "critic.<...>"
 
     def where(tensor: torch.Tensor) -> tuple | None:  # None for an empty shard
@@ -1968,11 +1417,11 @@ def _training_state(modules: dict[str, torch.nn.Module], optimizer) -> dict:
 
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     weights, seen = {}, {where(p) for p in model.parameters() if not p.requires_grad} - {None}
-    for name, tensor in get_model_state_dict(model).items():  # a tied or frozen weight under another name too
+    for name, tensor in dcp_state.get_model_state_dict(model).items():  # a tied or frozen weight under another name too
         if name not in frozen and (where(tensor) is None or where(tensor) not in seen):
             weights[name] = tensor
         seen.add(where(tensor))
-    return {"model": weights, "optimizer": get_optimizer_state_dict(model, optimizer)["state"]}
+    return {"model": weights, "optimizer": dcp_state.get_optimizer_state_dict(model, optimizer)["state"]}
 
 
 def _flatten(value, tensors: dict, key: str):
@@ -2003,59 +1452,38 @@ def _unflatten(value, tensors: dict):
     return {k: _unflatten(v, tensors) for k, v in inner.items()}
 
 
-def _read_header(file: Path, where: str) -> dict:
-    """The metadata in a safetensors file's header, or a ValueError naming the file and what is wrong."""
-    if file.is_symlink() or not file.is_file():
-        raise ValueError(f"{where}/{file.name}: a link, or not a plain file")
-    try:
-        with safe_open(file, "pt") as opened:
-            return opened.metadata() or {}
-    except Exception as error:  # safetensors' own error type: a 0-byte, truncated or other file
-        raise ValueError(f"{where}/{file.name}: not a complete safetensors file ({error})") from None
-
-
 def load_checkpoint(path: Path | None, modules: dict[str, torch.nn.Module], optimizer, rank: int
                     ) -> tuple[int, dict]:
-    """Restore what `save_checkpoint` wrote: every module's weights and the optimizer state in place (each
-    rank reads only its own shards), and this rank's RNG state. Returns (the step to continue from, this
-    rank's algorithm state); (0, {}) when `path` is None, a run that starts afresh. Nothing in the folder is
-    unpickled. The number of ranks must be the one that saved: DCP could reshard the weights and optimizer
-    state, but each rank's sampling stream and algorithm state (GVPO's replayed groups) have no
-    counterpart on another count, and a resumed run is meant to be the run that stopped, bitwise. To go on
-    with other hardware, start a new run with `--model <run>/step_N`."""
+    """Restore what `save_checkpoint` wrote, in place (each rank reads its own shards), and this rank's RNG
+    state: (the step to go on from, this rank's algorithm state); (0, {}) for `path` None, a new run. Nothing
+    is unpickled. The number of ranks must be the one that saved: DCP could reshard weights and optimizer,
+    but each rank's sampling stream and algorithm state (GVPO's replayed groups) have no counterpart on
+    another count, and a resumed run is the run that stopped, bitwise."""
     if path is None:
         return 0, {}
-    model, state, folder = torch.nn.ModuleDict(modules), _training_state(modules, optimizer), path / TRAINING_STATE
-    device = current_device()
+    model, state, device = torch.nn.ModuleDict(modules), _training_state(modules, optimizer), current_device()
     try:
-        if (folder / ".metadata").exists():
-            raise ValueError("it was written in torch.distributed.checkpoint's pickled format, which these files no "
-                             "longer read. Start a new run from its weights with --model <that checkpoint>.")
-        for file in sorted(folder.iterdir()):  # also DCP's index, which is JSON: a link or not a file stops
-            if file.suffix == ".safetensors" or file.is_symlink() or not file.is_file():
-                _read_header(file, folder.name)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=not dist.is_initialized())
-        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))  # strict: tied weights
-        groups = get_optimizer_state_dict(model, optimizer)["param_groups"]  # the flags' learning rate, ...
-        set_optimizer_state_dict(model, optimizer, {"state": state["optimizer"], "param_groups": groups})
-        file = path / f"rank_{rank}.safetensors"
-        plain = json.loads(_read_header(file, path.name).get("state", "null"))
-        with safe_open(file, "pt") as opened:  # the algorithm's tensors back on the device, the RNG states on CPU
-            tensors = {key: opened.get_tensor(key).to(device if key.startswith("own.extra.") else "cpu")
-                       for key in opened.keys()}
-        own = _unflatten(plain, tensors)
-        if not isinstance(own, dict) or not {"rng", "cuda_rng", "python_rng", "extra"} <= own.keys():
-            raise ValueError(f"{file.name}: not the RNG and algorithm state this project writes")
-    except (Exception, dcp.CheckpointException) as error:  # a damaged file, a shape that does not fit, ...
-        error = next(_chain(error))
+            dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path / TRAINING_STATE)),
+                     no_dist=not dist.is_initialized())
+        options = dcp_state.StateDictOptions(strict=False)  # strict would miss the tied weights, saved once
+        dcp_state.set_model_state_dict(model, state["model"], options=options)
+        groups = dcp_state.get_optimizer_state_dict(model, optimizer)["param_groups"]  # the flags' learning rate, ...
+        dcp_state.set_optimizer_state_dict(model, optimizer, {"state": state["optimizer"], "param_groups": groups})
+        with safe_open(path / f"rank_{rank}.safetensors", "pt") as opened:  # the RNG states stay on the CPU
+            own = _unflatten(json.loads(opened.metadata()["state"]), {
+                key: opened.get_tensor(key).to(device if key.startswith("own.extra.") else "cpu")
+                for key in opened.keys()})
+    except (Exception, dcp.CheckpointException) as error:  # a shape that does not fit, a damaged file, ...
+        if isinstance(error, dcp.CheckpointException) and error.failures:  # DCP gathers each rank's failure
+            error = next(iter(error.failures.values()))[0]
         text = " ".join(str(error).split()) or type(error).__name__
-        raise UsageError(f"--resume {path}: cannot restore it: {text if len(text) < 400 else text[:400] + ' ...'}"
-                         ) from None
+        raise UsageError(f"--resume {path}: cannot restore it: {text[:400]}") from None
     torch.set_rng_state(own["rng"])
     version, internal, gauss = own["python_rng"]
     random.setstate((version, tuple(internal), gauss))  # unused by these files, kept for code you add
     if own["cuda_rng"] is not None:
         torch.cuda.set_rng_state(own["cuda_rng"])
-    return _read_checkpoint_info(path)["step"], own["extra"]
+    print0(f"resumed from {path}")
+    return _read_info(path)["step"], own["extra"]

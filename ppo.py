@@ -50,7 +50,7 @@ from common import (
     add_lora,
     all_reduce,
     check_flags,
-    check_grad_norm,
+    claim_run_dir,
     cleanup_distributed,
     cli,
     clip_grad_norm,
@@ -71,7 +71,6 @@ from common import (
     prompt_batch,
     require,
     response_hidden_states,
-    resume_hint,
     reweighted,
     rollout_logprobs,
     rollout_weights,
@@ -266,7 +265,7 @@ def load_reward_model(name: str, dtype: str, device: torch.device):
     """A frozen `AutoModelForSequenceClassification` with one output (a reward model) and its own
     tokenizer, which need not be the policy's: completions are scored as text."""
     tokenizer = load_tokenizer(name, "--reward-model")
-    model = load_model(name, dtype, device, tokenizer, AutoModelForSequenceClassification, "--reward-model")
+    model = load_model(name, dtype, device, tokenizer, AutoModelForSequenceClassification)
     if model.config.num_labels != 1:
         raise UsageError(f"--reward-model {name!r}: has {model.config.num_labels} outputs; a reward model has one "
                          "(AutoModelForSequenceClassification with num_labels=1).")
@@ -435,11 +434,9 @@ def main(args: Args) -> None:
     rank, args.world_size, device = setup_distributed(args.dist_timeout)
     run_info = {"algorithm": Path(__file__).name, "config": asdict(args)}  # recorded in every checkpoint
     run_dir, resume_dir = prepare_run_dir(run_info, rank)  # where it writes, and from what it resumes
-
     tokenizer, train_set, eval_set, exact, reward_fn = load_task(args)  # before any model: bad input fails fast
 
-    # Same seed on every rank while loading, so any newly initialised weights (an added pad token's
-    # embedding) are identical; then seed + rank, or every rank would sample the same completions.
+    # Seeded alike on every rank while loading (new weights, e.g. LoRA's, are the same), then by rank (own samples).
     torch.manual_seed(args.seed)
     policy = load_model(args.model, args.dtype, device, tokenizer, gradient_checkpointing=args.gradient_checkpointing)
     policy = add_lora(policy, args.lora_rank, args.lora_alpha, args.lora_targets)  # as it is with --lora-rank 0
@@ -458,7 +455,7 @@ def main(args: Args) -> None:
                          "policy's tokens. Pass --critic-model with a model that shares --model's tokenizer "
                          "(e.g. --critic-model <the --model path>).")
     torch.manual_seed(args.seed)
-    critic = Critic(load_model(critic_path, args.dtype, device, tokenizer, AutoModel, flag,
+    critic = Critic(load_model(critic_path, args.dtype, device, tokenizer, AutoModel,
                                gradient_checkpointing=args.gradient_checkpointing))
     if args.fsdp:
         shard_model(critic, device)
@@ -471,8 +468,7 @@ def main(args: Args) -> None:
     ], lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)  # one kernel for all the weights
     trained = {"policy": policy, "critic": critic}  # saved to and restored from checkpoints
     # ---
-    # state: what the algorithm carries from step to step (per rank, in checkpoints), restored with the rest
-    start_step, state = load_checkpoint(resume_dir, trained, optimizer, rank)  # a new run: (0, {})
+    start_step, state = load_checkpoint(resume_dir, trained, optimizer, rank)  # state: the algorithm's, per rank
     # --- algorithm: the KL coefficient, adapted each step with --target-kl ---
     state.setdefault("beta", args.beta)
     # ---
@@ -480,13 +476,13 @@ def main(args: Args) -> None:
     wrapped = {name: DDP(m) if args.world_size > 1 and not args.fsdp else m for name, m in trained.items()}
     model = wrapped["policy"]
     # The sampler: model.generate, or a vLLM engine on this rank's device that gets the policy's weights
-    vllm = VllmEngine(policy, args.model, args.dtype, args.seed + rank, args.vllm_gpu_memory) if args.vllm else None
+    vllm = VllmEngine(args.model, args.dtype, args.seed + rank, args.vllm_gpu_memory) if args.vllm else None
     # --- algorithm: the critic, as the update calls it ---
     critic_model = wrapped["critic"]
     # ---
-    logger = Logger(run_dir, resume_dir, asdict(args), rank, args.track, args.num_steps)  # claims run_dir
-    print0(f"{args.prompts_per_step} prompts x {args.group_size} completions per step on {args.world_size} rank(s), "
-           f"{args.updates_per_rollout * args.num_minibatches} optimizer steps each")
+    claim_run_dir(run_dir, resume_dir, rank)  # created and locked: from here on this run writes there
+    logger = Logger(run_dir, asdict(args), rank, args.track, args.num_steps)
+    print0(f"{args.prompts_per_step} prompts x {args.group_size} completions per step on {args.world_size} rank(s)")
 
     for step in range(start_step, args.num_steps):
         step_start, times, metrics = time.perf_counter(), {}, {}
@@ -513,8 +509,7 @@ def main(args: Args) -> None:
         b_ids, b_attention_mask = b_rollout.input_ids, b_rollout.attention_mask  # (B, P+T)
         b_response_mask = b_rollout.response_mask  # (B, T): 1 on the response tokens, EOS included
 
-        # 5. old log-probs (no grad), recomputed by the training model: the ratio starts at exactly 1. With one
-        # optimizer step per pass, the first pass runs on the sampling weights, and its forward gives them.
+        # 5. old log-probs by the training model (the ratio starts at 1); with one step per pass, pass 1 gives them
         # --- algorithm: the KL reward needs the old log-probs before the update; nothing else does ---
         old_in_pass_1 = args.num_minibatches == 1 and ref_policy is None
         # ---
@@ -585,16 +580,11 @@ def main(args: Args) -> None:
                         loss.backward()
                     mb_metrics["policy/entropy"] = masked_mean(entropy, b_response_mask[idx])
                     update_metrics.append(mb_metrics)
-                grad_norm = clip_grad_norm(policy.parameters(), args.max_grad_norm)
+                grad_norm = clip_grad_norm(policy.parameters(), args.max_grad_norm, step, run_dir)  # or stops the run
                 # --- algorithm: the critic's gradients, clipped on their own ---
-                value_grad_norm = clip_grad_norm(critic.parameters(), args.max_grad_norm)
-                if not torch.isfinite(value_grad_norm):
-                    raise UsageError(f"step {step}: non-finite gradient norm of the critic "
-                                     f"({value_grad_norm.item()}); stopped before the optimizer step. Try a lower "
-                                     f"--critic-learning-rate, or check --reward-fn. {resume_hint(run_dir)}")
+                value_grad_norm = clip_grad_norm(critic.parameters(), args.max_grad_norm, step, run_dir)
                 update_metrics.append({"algo/value_grad_norm": value_grad_norm})
                 # ---
-                check_grad_norm(grad_norm, step, run_dir)  # not finite: the run stops before the optimizer step
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 update_metrics.append({"policy/grad_norm": grad_norm})
@@ -616,7 +606,7 @@ def main(args: Args) -> None:
     if args.eval_every:
         logger.log(args.num_steps, evaluate(policy, tokenizer, eval_set, args.chat_template, exact,
                                             args.max_new_tokens, args.seed, vllm=vllm))
-    save_checkpoint(run_dir / "final", trained, tokenizer, rank, run_info)
+    save_checkpoint(run_dir / "final", trained, tokenizer, rank, run_info, step=args.num_steps)
     print0(f"done: {run_dir / 'final'}")
     logger.close()
 
@@ -624,7 +614,7 @@ def main(args: Args) -> None:
 if __name__ == "__main__":
     try:
         main(cli(Args))
-    except UsageError as error:  # bad input: one line naming the flag or file and the fix, no traceback
+    except (UsageError, OSError) as error:  # bad input, or what the OS refused (a full disk): one line, no traceback
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
     cleanup_distributed()  # after main has returned (its DDP wrappers freed): the ranks end together

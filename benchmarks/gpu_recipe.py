@@ -113,7 +113,7 @@ def update(model, optimizer, ids: torch.Tensor, prompt_length: int, micro_batch_
         loss, _ = grpo.compute_loss(logprobs, logprobs.detach(), None, advantages[sl], response_mask[sl],
                                     len(ids), beta=0.0)
         loss.backward()
-    grad_norm = clip_grad_norm(model.parameters(), 1.0)
+    grad_norm = clip_grad_norm(model.parameters(), 1.0, 0, Path.cwd())
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm.item()

@@ -52,7 +52,7 @@ def main() -> None:
         model = DDP(model) if mode == "ddp" else shard_model(model, device)
         logprobs, _ = get_logprobs(model, ids, mask, P, 1.0)
         logprobs.sum().backward()
-        grad_norm = clip_grad_norm(model.parameters(), float("inf"))
+        grad_norm = clip_grad_norm(model.parameters(), float("inf"), 0, Path.cwd())
         torch.manual_seed(rank)
         prompts = [format_prompt(tokenizer, p, True) for p in PROMPTS[rank][::2]]
         rollout = generate(unwrap(model), tokenizer, prompts, 2 - rank, 4, 1.0)  # rank 1: one row per prompt

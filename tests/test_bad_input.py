@@ -47,11 +47,6 @@ AT_START_UP = [
     ("`--lora-targets` of a kind peft cannot adapt", ["--lora-rank", "8", "--lora-targets", "input_layernorm"],
      "--lora-targets input_layernorm: Target module Qwen3RMSNorm((128,), eps=1e-06) is not supported"),
     ("non-UTF-8 bytes in a JSONL file", ["--dataset", "{tmp}/latin1.jsonl"], "latin1.jsonl:2: not UTF-8"),
-    ("a prompt with a character the tokenizer cannot encode", ["--dataset", "{tmp}/capitals.jsonl", "--eval-size", "4"],
-     "training data, row 5: the tokenizer of --model cannot encode 'W'"),
-    ("`--output-dir` is a file", ["--output-dir", "{tmp}/a_file"], "a_file is a file, not a folder. Pass a folder"),
-    ("`--output-dir` under a file", ["--output-dir", "{tmp}/a_file/runs"], "a_file is a file, not a folder"),
-    ("`--output-dir` not writable", ["--output-dir", "{tmp}/read_only/runs"], "read_only is not writable by this user"),
     ("`--run-name ../x`", ["--run-name", "../x"], "--run-name '../x': must be a folder name under --output-dir"),
     ("`--run-name` an absolute path", ["--run-name", "/tmp/x"], "--run-name '/tmp/x': must be a folder name"),
     ("`--clip-eps 1.5`", ["--clip-eps", "1.5"], "--clip-eps 1.5: must be in (0, 1)"),
@@ -59,30 +54,13 @@ AT_START_UP = [
     ("`--is-eps-low 2` (cispo.py)", ["cispo.py", "--is-eps-low", "2"], "--is-eps-low 2.0: must be in [0, 1]"),
     ("`--beta 0` (gvpo.py)", ["gvpo.py", "--beta", "0"], "--beta 0.0: must be > 0 (the implicit reward is beta"),
     ("`--gamma 1.5` (ppo.py)", ["ppo.py", "--gamma", "1.5"], "--gamma 1.5: must be in [0, 1]"),
-    ("a truncated safetensors file", ["--model", "{tmp}/truncated"],
-     "truncated': cannot read its weights (Error while deserializing header"),
-    ("`config.json` not a JSON object", ["--model", "{tmp}/config_list"],
-     "config_list': its config.json is a JSON list, not a JSON object"),
-    ("a `--model` folder whose config asks to run code from the folder (`auto_map`)", ["--model", "{tmp}/custom_code"],
-     "custom_code': it needs code from the model's folder or repository (auto_map), and code from a model is never "
-     "run here"),
-    ("a `--model` folder whose pickled weights hold more than tensors", ["--model", "{tmp}/pickled_bin"],
-     "pickled_bin': its weights file holds pickled data other than tensors"),
-    ("a chat template that fails to render", ["--model", "{tmp}/bad_template"],
-     "the chat template of --model cannot render a prompt (TemplateError: no template here)"),
     ("a `--dataset` folder holding a loading script", ["--dataset", "{tmp}/script_data"],
      "script_data': cannot load it (RuntimeError: Dataset scripts are no longer supported"),
-    ("every prompt empty, without a chat template",
-     ["--dataset", "{tmp}/empty_prompts.jsonl", "--eval-size", "4", "--no-chat-template"],
-     "training data: all 16 prompts are empty"),
-    ("a JSONL line nested 200,000 deep", ["--dataset", "{tmp}/deep.jsonl"], "deep.jsonl:1: not valid JSON (nested "
-     "too deep)"),
-    ("a JSONL number of 5,000 digits", ["--dataset", "{tmp}/long_number.jsonl"],
-     "long_number.jsonl:1: not valid JSON (a number of more than 4300 digits)"),
+    ("every prompt (or every answer) empty: a field that names the wrong column",
+     ["--dataset", "{tmp}/empty_prompts.jsonl", "--eval-size", "4"],
+     "empty_prompts.jsonl': every prompt is empty. Name the field that holds the prompts with --prompt-field"),
     ("`--seed 99999999999999999999999`", ["--seed", "99999999999999999999999"],
      "--seed 99999999999999999999999: must be in [0, 2**63)"),
-    ("a `--run-name` of 300 characters", ["--run-name", "x" * 300],
-     "--run-name: 300 bytes, longer than the 255 that a folder name may have here"),
     ("`--temperature 1e-45`", ["--temperature", "1e-45"], "--temperature 1e-45: must be >= 0.01"),
     ("`--beta inf`", ["--beta", "inf"], "--beta inf: must be a finite number"),
     ("`--target-kl nan` (ppo.py)", ["ppo.py", "--target-kl", "nan"], "--target-kl nan: must be a finite number"),
@@ -99,40 +77,28 @@ LATER = {
     "shapes": ("same weight names with other shapes at `--resume`",
                "cannot restore it: Size mismatch between saved torch.Size"),
     "ctrl-c": ("Ctrl-C", "stopped (Ctrl-C). Last checkpoint: "),
-    "timeout": ("a rank that stops answering, or a very slow `--reward-fn` on one rank",
-                "waited more than --dist-timeout 0.2 minutes for another rank"),
-    "round-trip": ("a tokenizer that does not give the prompts back (a warning; the run goes on)",
-                   "warning: the tokenizer of --model (TokenizersBackend) does not give the prompts back"),
-    "link": ("a symbolic link in the run folder (`config.json`, `metrics.jsonl`, `.run.lock`, even dangling)",
-             "is a symbolic link: a run folder holds none (a write through it would land elsewhere)"),
-    "fifo": ("`metrics.jsonl` a FIFO (or a device, or a hard link) in a run folder of this project",
-             "is not a plain file of its own (a link, or a device): a run folder holds none"),
-    "foreign": ("`--output-dir`/`--run-name` a folder that holds files this project did not write",
-                "holds files that are not a run's of this project (config.json)"),
-    "metrics": ("a bad complete line in `metrics.jsonl` (not JSON, a list, no step, NUL or non-UTF-8 bytes)",
-                "metrics.jsonl:2: not a line this project writes"),
-    "info": ("a damaged `checkpoint.json` (a field missing, the config a list, the step '3' or 2.5)",
-             "checkpoint.json is damaged"),
-    "outside": ("a shard of the resumable state that is a link (to a file outside the checkpoint)",
-                "cannot restore it: training_state/<shard>: a link"),
-    "shard": ("a 0-byte or raw-pickle shard",
-              "cannot restore it: training_state/<shard>: not a complete safetensors file"),
+    "os": ("what the OS refuses: `--output-dir` a file (or under one, or not writable), a `--run-name` too long",
+           "error: [Errno 20] Not a directory: "),
+    "shard": ("a 0-byte or raw-pickle shard of the resumable state", "cannot restore it: "),
     "full": ("a full disk while `--resume latest` cuts `metrics.jsonl` back to the checkpoint's step",
-             "metrics.jsonl: cannot write the lines before step 4 (No space left on device"),
+             "[Errno 28] No space left on device"),
     "exit": ("a `--reward-fn` that calls `sys.exit(0)`",
              "called sys.exit(0). A reward function must return its values"),
 }
 
 # Inputs that are handled rather than refused: (input, what happens), each with its test below.
 HANDLED = [
-    ("a `--model` that needs custom code, answered 'y' on standard input",
-     "the code is not run: every load passes `trust_remote_code=False`"),
-    ("a `json.py` (or any module) in the working directory of a run on math data",
-     "not imported: the math grader's process runs with `python -I` (isolated)"),
+    ("a `--model` that needs custom code (`auto_map`), even answered 'y' on standard input",
+     "transformers refuses it: every load passes `trust_remote_code=False`, and nothing from the folder runs"),
+    ("a `--model` folder whose pickled `pytorch_model.bin` holds more than tensors",
+     "transformers refuses it (`torch.load(weights_only=True)`): nothing in it runs"),
+    ("a module of the grader's name (`sympy.py`, ...) in the working directory of a run on math data",
+     "not imported: Python puts the script's folder first on the import path, not the working directory "
+     "(only a `--reward-fn module:function` is imported from it)"),
     ("a run killed after logging a step, before its first checkpoint, run again with the same name",
      "starts over in its folder; what it logged is kept in `metrics.jsonl.old`"),
     ("`--resume latest` in a copied or moved repository, on the default model",
-     "goes on: the default model is recorded as `tiny_model`, relative to the repository"),
+     "goes on: the default model's new path is printed among the changed flags"),
     ("control characters (ANSI escapes) in a flag value of `checkpoint.json`",
      "printed escaped (`repr`) in the 'flags changed' line"),
     ("a `--reward-fn` that hangs",
@@ -145,26 +111,10 @@ def make_inputs(tmp: Path) -> None:
     rows = [{"prompt": f"{a}+1", "answer": str(a + 1)} for a in range(20)]
     (tmp / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp / "latin1.jsonl").write_bytes(b'{"prompt": "1+1", "answer": "2"}\n{"prompt": "\xe9", "answer": "1"}\n')
-    rows[5]["prompt"] = "What is 8*8? Put the final answer in \\boxed{}."  # capitals, '\', '{': unknown to it
-    (tmp / "capitals.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp / "a_file").write_text("")
-    (tmp / "read_only").mkdir()
-    (tmp / "read_only").chmod(0o555)
-    shutil.copytree(common.DEFAULT_MODEL, tmp / "truncated")
-    weights = (tmp / "truncated" / "model.safetensors").read_bytes()
-    (tmp / "truncated" / "model.safetensors").write_bytes(weights[: len(weights) // 2])  # an interrupted copy
-    shutil.copytree(common.DEFAULT_MODEL, tmp / "config_list")
-    (tmp / "config_list" / "config.json").write_text("[1, 2]")
-    make_custom_code_model(tmp / "custom_code", tmp / "code-ran")
-    make_pickled_model(tmp / "pickled_bin", tmp / "code-ran")
-    shutil.copytree(common.DEFAULT_MODEL, tmp / "bad_template")
-    (tmp / "bad_template" / "chat_template.jinja").write_text("{{ raise_exception('no template here') }}")
     (tmp / "script_data").mkdir()
     (tmp / "script_data" / "script_data.py").write_text(f"open({str(tmp / 'code-ran')!r}, 'w')\n")
     (tmp / "empty_prompts.jsonl").write_text("".join(json.dumps({"prompt": "", "answer": "1"}) + "\n"
                                                      for _ in range(20)))
-    (tmp / "deep.jsonl").write_text("[" * 200_000 + "]" * 200_000 + "\n")
-    (tmp / "long_number.jsonl").write_text('{"prompt": "1+1", "answer": ' + "9" * 5000 + "}\n")
     (tmp / "user_rewards.py").write_text(USER_REWARDS)
 
 
@@ -212,8 +162,6 @@ def make_pickled_model(folder: Path, marker: Path) -> None:
 
 @pytest.mark.parametrize("what, argv, message", AT_START_UP, ids=[row[0] for row in AT_START_UP])
 def test_bad_input_stops_at_start_up_with_one_line(tmp_path, what, argv, message):
-    if "not writable" in what and os.geteuid() == 0:
-        pytest.skip("root may write anywhere")
     make_inputs(tmp_path)
     module = importlib.import_module(argv[0][:-3]) if argv[0].endswith(".py") else grpo
     argv = [arg.replace("{tmp}", str(tmp_path)) for arg in argv if not arg.endswith(".py")]
@@ -223,8 +171,8 @@ def test_bad_input_stops_at_start_up_with_one_line(tmp_path, what, argv, message
         module.main(cli(module.Args, args=argv))
     assert "\n" not in str(stop.value)  # one line
     assert message in str(stop.value)
-    assert not (tmp_path / "runs").exists() and not (tmp_path / "read_only" / "runs").exists()  # nothing written
-    assert not (tmp_path / "code-ran").exists()  # no code from a model or data folder ran
+    assert not (tmp_path / "runs").exists()  # nothing written
+    assert not (tmp_path / "code-ran").exists()  # no code from a data folder ran
 
 
 def small(tmp_path: Path, *more: str, steps: int = 4) -> list[str]:
@@ -281,46 +229,6 @@ def test_ctrl_c_says_where_to_resume_and_the_command_works(tmp_path):
     assert [m["step"] for m in read_metrics(tmp_path / "runs" / "stopped")] == list(range(6))
 
 
-SLOW_ON_RANK_1 = """
-import os, time
-def reward(prompts, completions, answers):
-    if len(completions) > 2 and os.environ["RANK"] == "1":  # not the start-up check of 2 rows: the first rollout
-        time.sleep(900)
-    return [0.0] * len(completions)
-"""
-
-
-@pytest.mark.slow
-def test_a_rank_that_stops_answering_is_named_after_dist_timeout(tmp_path):
-    (tmp_path / "slow.py").write_text(SLOW_ON_RANK_1)
-    start = time.time()
-    result = run(small(tmp_path, "--reward-fn", f"{tmp_path / 'slow.py'}:reward", "--dist-timeout", "0.2"),
-                 cwd=tmp_path, torchrun=2)
-    assert result.returncode != 0
-    assert f"error: rank 0 {LATER['timeout'][1]}" in result.stderr, result.stderr[-3000:]
-    assert time.time() - start < 600  # stopped by the timeout (12 s), not by the slow rank finishing (900 s)
-
-
-def test_a_tokenizer_that_does_not_round_trip_is_named(tmp_path, capsys):
-    """A word-level tokenizer that maps the space to its unknown token: '1 + 1' comes back as '1<unk>+<unk>1'."""
-    from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import WordLevel
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = common.load_tokenizer(common.DEFAULT_MODEL)
-    vocab = {token: i for token, i in tokenizer.get_vocab().items() if token != " "}
-    vocab.setdefault("<unk>", max(vocab.values()) + 1)
-    tok = Tokenizer(WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    other = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=tokenizer.eos_token, pad_token=tokenizer.pad_token)
-    common.check_round_trip(other, [{"prompt": "12+3"}, {"prompt": "1 + 1"}])
-    out = capsys.readouterr().out
-    assert out.startswith(LATER["round-trip"][1]) and "'1 + 1' comes back as '1<unk>+<unk>1'" in out
-    common.check_round_trip(tokenizer, [{"prompt": "1 + 1"}])  # the shipped tokenizer: silent
-    assert capsys.readouterr().out == ""
-
-
 def test_eval_size_0_without_evaluation_trains_on_every_row(tmp_path):
     make_inputs(tmp_path)
     argv = small(tmp_path, "--dataset", str(tmp_path / "train.jsonl"), "--eval-size", "0", "--run-name", "all")
@@ -330,7 +238,7 @@ def test_eval_size_0_without_evaluation_trains_on_every_row(tmp_path):
 
 def test_non_finite_metrics_are_written_as_null(tmp_path):
     (tmp_path / "run").mkdir()
-    logger = common.Logger(tmp_path / "run", None, {}, rank=0)
+    logger = common.Logger(tmp_path / "run", {}, rank=0)
     logger.log(0, {"loss/policy": float("nan"), "policy/grad_norm": float("inf"), "reward/mean": 0.5})
     logger.close()
     line = (tmp_path / "run" / "metrics.jsonl").read_text()
@@ -338,31 +246,19 @@ def test_non_finite_metrics_are_written_as_null(tmp_path):
 
 
 def test_healthy_runs_print_no_alarming_noise(tmp_path, capfd):
-    """ppo.py's critic backbone from an untied causal LM (its unused LM head used to print a LOAD REPORT
-    table), and dapo.py's statistics of a step where dynamic sampling kept no group (a std() warning)."""
+    """dapo.py's statistics of a step where dynamic sampling kept no group (a std() warning)."""
     import warnings
 
-    import torch
-    from transformers import AutoModelForCausalLM
-
     import dapo
-    import ppo
 
-    untied = tmp_path / "untied"
-    model = AutoModelForCausalLM.from_pretrained(common.DEFAULT_MODEL, tie_word_embeddings=False)
-    model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
-    model.save_pretrained(untied)
-    common.load_tokenizer(common.DEFAULT_MODEL).save_pretrained(untied)
     never = tmp_path / "never.jsonl"  # every answer is wrong: every group has zero variance and is filtered out
     never.write_text("".join(json.dumps({"prompt": f"{a}+{a}", "answer": "never"}) + "\n" for a in range(10, 40)))
     capfd.readouterr()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ppo.main(cli(ppo.Args, args=small(tmp_path, "--model", str(untied), steps=1)[1:]))
         dapo.main(cli(dapo.Args, args=small(tmp_path, "--dataset", str(never), "--eval-size", "4",
                                                  "--max-gen-rounds", "1", steps=1)[1:]))
     out, err = capfd.readouterr()
-    assert "LOAD REPORT" not in out + err and "UNEXPECTED" not in out + err
     assert not re.search(r"warning", err, re.IGNORECASE), err
 
 
@@ -392,64 +288,8 @@ def resume(tmp_path: Path, checkpoint: str = "latest", *more: str, steps: int = 
     return module.main(cli(module.Args, args=argv))
 
 
-@pytest.mark.parametrize("name", ["config.json", "metrics.jsonl"])
-@pytest.mark.parametrize("how", ["latest", "step_2"])
-def test_a_link_in_the_run_folder_is_never_written_through(tmp_path, finished_run, name, how):
-    run_dir = copy_run(finished_run, tmp_path)
-    outside = tmp_path / "someone_elses_file"
-    outside.write_bytes((run_dir / name).read_bytes())
-    (run_dir / name).unlink()
-    (run_dir / name).symlink_to(outside)
-    before = listing(run_dir)
-    with pytest.raises(UsageError) as stop:
-        resume(tmp_path, "latest" if how == "latest" else str(run_dir / "step_2"))
-    assert f"{run_dir / name} {LATER['link'][1]}" in str(stop.value) and "\n" not in str(stop.value)
-    assert outside.read_bytes() == (finished_run / name).read_bytes()
-    assert listing(run_dir) == before
-
-
-def test_a_dangling_lock_link_creates_nothing_outside(tmp_path):
-    run_dir = tmp_path / "runs" / "r"
-    run_dir.mkdir(parents=True)
-    (run_dir / ".run.lock").symlink_to(tmp_path / "created_outside")
-    with pytest.raises(UsageError, match=re.escape(f"{common.RUN_LOCK} {LATER['link'][1]}")):
-        grpo.main(cli(grpo.Args, args=small(tmp_path, "--run-name", "r", steps=1)[1:]))
-    assert not (tmp_path / "created_outside").exists()
-
-
-def test_a_metrics_file_that_is_not_a_plain_file_is_refused_without_blocking(tmp_path):
-    """A FIFO as metrics.jsonl in a run folder of this project (reading it would wait for a writer forever)."""
-    run_dir = tmp_path / "runs" / "r"
-    run_dir.mkdir(parents=True)
-    (run_dir / common.RUN_LOCK).touch()
-    os.mkfifo(run_dir / "metrics.jsonl")
-    result = run(small(tmp_path, "--run-name", "r", steps=1), cwd=tmp_path, timeout=300)
-    assert result.returncode == 2, result.stderr
-    assert f"{run_dir / 'metrics.jsonl'} {LATER['fifo'][1]}" in result.stderr.splitlines()[-1]
-
-
-def test_a_folder_holding_someone_elses_files_is_not_taken(tmp_path):
-    app = tmp_path / "v" / "app"
-    app.mkdir(parents=True)
-    (app / "config.json").write_text('{"port": 8080}')
-    argv = small(tmp_path, "--output-dir", str(tmp_path / "v"), "--run-name", "app", steps=1)[1:]
-    with pytest.raises(UsageError, match=re.escape(f"{app} {LATER['foreign'][1]}")):
-        grpo.main(cli(grpo.Args, args=argv))
-    assert [p.name for p in app.iterdir()] == ["config.json"] and (app / "config.json").read_text() == '{"port": 8080}'
-
-
 def a_shard(checkpoint: Path) -> Path:
     return sorted((checkpoint / common.TRAINING_STATE).glob("*.safetensors"))[0]
-
-
-def test_a_shard_that_is_a_link_is_refused(tmp_path, finished_run):
-    run_dir = copy_run(finished_run, tmp_path)
-    shard = a_shard(run_dir / "step_6")
-    shutil.copy(shard, tmp_path / "elsewhere.safetensors")
-    shard.unlink()
-    shard.symlink_to(tmp_path / "elsewhere.safetensors")  # what is read could only come from outside
-    with pytest.raises(UsageError, match=re.escape(f"step_6: {LATER['outside'][1]}".replace("<shard>", shard.name))):
-        resume(tmp_path)
 
 
 @pytest.mark.parametrize("damage", ["empty", "raw pickle"])
@@ -459,9 +299,9 @@ def test_a_damaged_shard_is_named_with_its_cause(tmp_path, finished_run, damage)
     shard.write_bytes(b"" if damage == "empty" else pickle.dumps({"weights": [1.0, 2.0]}))
     with pytest.raises(UsageError) as stop:
         resume(tmp_path)
-    message, named = str(stop.value), LATER["shard"][1].replace("<shard>", shard.name)
-    assert named in message and "\n" not in message
-    assert len(message.split(named)[1]) > 10, message  # the cause follows
+    message, named = str(stop.value), f"--resume {run_dir / 'step_6'}: {LATER['shard'][1]}"
+    assert message.startswith(named) and "\n" not in message
+    assert len(message) > len(named) + 10, message  # the cause follows
 
 
 def test_a_run_killed_before_its_first_checkpoint_starts_over(tmp_path):
@@ -471,7 +311,7 @@ def test_a_run_killed_before_its_first_checkpoint_starts_over(tmp_path):
     run_dir = tmp_path / "runs" / "r"
     shutil.rmtree(run_dir / "final")  # as if killed before the end
     logged = (run_dir / "metrics.jsonl").read_text()
-    with pytest.raises(UsageError, match="no checkpoint under .* Run it again without --resume: it starts over"):
+    with pytest.raises(UsageError, match="no checkpoint under .* run it again without --resume"):
         grpo.main(cli(grpo.Args, args=[*argv, "--resume", "latest"]))
     grpo.main(cli(grpo.Args, args=argv))
     assert [m["step"] for m in read_metrics(run_dir)] == [0, 1] and (run_dir / "final").is_dir()
@@ -494,44 +334,6 @@ def test_a_copied_repository_resumes_a_run_of_the_default_model(tmp_path):
     assert [m["step"] for m in read_metrics(tmp_path / "runs" / "r")] == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("line", [b"not json", b"[1, 2]", b'{"x": 1}', b'{"step": "1"}', b"\x00\x00", b"\xff"],
-                         ids=["not-json", "list", "no-step", "step-text", "nul", "0xff"])
-def test_a_bad_metrics_line_stops_a_resume_with_one_line(tmp_path, finished_run, line):
-    run_dir = copy_run(finished_run, tmp_path)
-    lines = (run_dir / "metrics.jsonl").read_bytes().splitlines(keepends=True)
-    (run_dir / "metrics.jsonl").write_bytes(lines[0] + line + b"\n" + b"".join(lines[1:]))
-    before = listing(run_dir)
-    for checkpoint in ("latest", str(run_dir / "step_4")):
-        with pytest.raises(UsageError, match=re.escape(f"{run_dir / 'metrics.jsonl'}:2: not a line this project")):
-            resume(tmp_path, checkpoint)
-    with pytest.raises(UsageError, match="already holds a run"):  # a new run of that name: the usual refusal
-        grpo.main(cli(grpo.Args, args=small(tmp_path, "--run-name", "r", steps=1)[1:]))
-    assert listing(run_dir) == before
-
-
-@pytest.mark.parametrize("damage", ["no algorithm", "no model", "no step", "no world_size", "config a list",
-                                    "step '3'", "step 2.5", "not an object"])
-def test_a_damaged_checkpoint_info_stops_before_anything_moves(tmp_path, finished_run, damage):
-    run_dir = copy_run(finished_run, tmp_path)
-    info_file = run_dir / "step_2" / common.CHECKPOINT_INFO
-    info = json.loads(info_file.read_text())
-    key = damage.split()[1]
-    if damage.startswith("no "):
-        del (info["config"] if key == "model" else info)[key]
-    elif damage == "config a list":
-        info["config"] = list(info["config"])
-    elif damage.startswith("step "):
-        info["step"] = json.loads(key.replace("'", '"'))
-    else:
-        info = [info]
-    info_file.write_text(json.dumps(info))
-    before = listing(run_dir)
-    with pytest.raises(UsageError) as stop:
-        resume(tmp_path, str(run_dir / "step_2"))
-    assert f"{info_file.parent}/{LATER['info'][1]}" in str(stop.value) and "\n" not in str(stop.value)
-    assert listing(run_dir) == before
-
-
 @pytest.fixture
 def small_disk(tmp_path):
     """A 48 MB file system of its own (tmpfs), to be filled up; mounting one needs root."""
@@ -543,22 +345,27 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(disk)], check=True)
 
 
-def test_a_full_disk_during_a_resume_leaves_the_folder_as_it_was(tmp_path, finished_run, small_disk):
+def test_a_full_disk_during_a_resume_names_the_file_and_keeps_the_metrics(tmp_path, finished_run, small_disk):
+    """The cut metrics file is written beside the old one before the old one is moved aside: a full disk stops
+    the resume with the OS's one line, metrics.jsonl as it was; with space again the resume goes on."""
     shutil.copytree(finished_run, small_disk / "runs" / "r")
     run_dir = small_disk / "runs" / "r"
     shutil.rmtree(run_dir / "step_6")  # as if killed after logging step 5: the resume cuts steps 4 and 5 off
     shutil.rmtree(run_dir / "final")
+    logged = (run_dir / "metrics.jsonl").read_bytes()
     with open(small_disk / "filler", "wb", buffering=0) as filler:  # every block of the disk taken
         try:
             while True:
                 filler.write(b"\0" * 4096)
         except OSError:
             pass
-    before = listing(run_dir)
     argv = small(small_disk, "--run-name", "r", "--save-every", "2", "--resume", "latest", steps=8)
     with pytest.raises(UsageError, match=re.escape(LATER["full"][1])):
         grpo.main(cli(grpo.Args, args=argv[1:]))
-    assert listing(run_dir) == before
+    assert (run_dir / "metrics.jsonl").read_bytes() == logged
+    (small_disk / "filler").unlink()
+    grpo.main(cli(grpo.Args, args=argv[1:]))
+    assert [m["step"] for m in read_metrics(run_dir)] == list(range(8))
 
 
 EXITS = """
@@ -593,32 +400,40 @@ def test_control_characters_in_a_checkpoints_flags_are_printed_escaped(tmp_path,
     assert "--dataset-config '\\x1b[2J\\x1b[31mall clear' -> None" in out and "\x1b" not in out
 
 
-def test_the_math_grader_does_not_import_from_the_working_directory(tmp_path, monkeypatch):
-    from common import MathVerifier
+GRADED = "".join(json.dumps({"prompt": f"{a}+1", "answer": "x+1"}) + "\n" for a in range(20))  # math-verify's
 
-    (tmp_path / "json.py").write_text(f"open({str(tmp_path / 'code-ran')!r}, 'w')\nfrom _json import *\n")
-    monkeypatch.chdir(tmp_path)
-    verifier = MathVerifier()
-    try:
-        assert verifier("$\\frac{1}{2}$", "\\boxed{0.5}")
-    finally:
-        if verifier.child is not None:
-            verifier._stop()
+
+@pytest.mark.slow
+def test_the_math_grader_imports_nothing_from_the_working_directory(tmp_path):
+    """A run on math data (answers that are not plain numbers go to math-verify) in a folder that holds a
+    `sympy.py`: Python puts the script's folder first on the import path, not the working directory."""
+    (tmp_path / "sympy.py").write_text(f"open({str(tmp_path / 'code-ran')!r}, 'w')\n")
+    (tmp_path / "math.jsonl").write_text(GRADED)
+    result = run(small(tmp_path, "--dataset", str(tmp_path / "math.jsonl"), "--eval-size", "4", steps=1), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
     assert not (tmp_path / "code-ran").exists()
 
 
 @pytest.mark.slow
-def test_code_in_a_model_folder_never_runs_even_when_the_answer_is_yes(tmp_path):
-    """transformers asks "Do you wish to run the custom code?" when trust_remote_code is left unset."""
-    make_custom_code_model(tmp_path / "custom_code", tmp_path / "code-ran")
-    argv = small(tmp_path, "--model", str(tmp_path / "custom_code"), steps=1)
+@pytest.mark.parametrize("make", [make_custom_code_model, make_pickled_model])
+def test_code_in_a_model_folder_never_runs_even_when_the_answer_is_yes(tmp_path, make):
+    """transformers asks "Do you wish to run the custom code?" when trust_remote_code is left unset; a pickle
+    that holds more than tensors would run code when unpickled with torch.load's weights_only off."""
+    make(tmp_path / "model", tmp_path / "code-ran")
+    argv = small(tmp_path, "--model", str(tmp_path / "model"), steps=1)
     result = subprocess.run([sys.executable, str(ROOT / argv[0]), *argv[1:]], cwd=tmp_path, input="y\n" * 10,
                             capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert result.returncode == 2 and not (tmp_path / "code-ran").exists(), result.stderr
-    assert AT_START_UP_MESSAGES["custom_code"] in result.stderr
+    assert result.returncode != 0 and not (tmp_path / "code-ran").exists(), result.stderr
+    assert "trust_remote_code" in result.stderr or "Weights only load failed" in result.stderr, result.stderr[-2000:]
 
 
-AT_START_UP_MESSAGES = {argv[1].rsplit("/", 1)[-1]: message for _, argv, message in AT_START_UP if len(argv) > 1}
+@pytest.mark.slow
+def test_what_the_os_refuses_is_one_line(tmp_path):
+    """No checks in advance of what the OS says itself: --output-dir a file stops with its error and path."""
+    (tmp_path / "a_file").write_text("")
+    result = run(small(tmp_path, "--output-dir", str(tmp_path / "a_file"), steps=1), cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(LATER["os"][1] + repr(str(tmp_path / "a_file"))[:-1])
 
 
 def docs_table() -> str:

@@ -342,6 +342,29 @@ def test_importing_the_plumbing_changes_nothing_outside_it():
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.stdout.split() == ["True", "True"], out.stderr
 
+def test_a_tokenizer_without_a_pad_token_pads_with_an_existing_id(tmp_path):
+    """The model's vocabulary is never changed (a grown one would not load the run's LoRA adapter onto the
+    original model): padding takes an existing id, and the masks say where prompts start and completions end,
+    so rows padded with it score as they do alone."""
+    from test_runs import tiny_llama_without_pad_token
+
+    vocab_size = tiny_llama_without_pad_token(tmp_path / "llama")
+    tokenizer = load_tokenizer(str(tmp_path / "llama"))
+    model = load_model(str(tmp_path / "llama"), "float32", torch.device("cpu"), tokenizer)
+    assert len(tokenizer) == vocab_size == model.get_input_embeddings().num_embeddings
+    assert tokenizer.pad_token_id is not None
+    torch.manual_seed(0)
+    rollout = generate(model, tokenizer, ["1+2=", "12+34="], 4, 6, 1.0)
+    logprobs, _ = get_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_length, 1.0)
+    for i in range(8):
+        n = int(rollout.response_mask[i].sum())
+        real = rollout.attention_mask[i, : rollout.prompt_length + n].bool()  # the row without its padding
+        ids = rollout.input_ids[i, : rollout.prompt_length + n][real][None]
+        alone, _ = get_logprobs(model, ids, torch.ones_like(ids), ids.shape[1] - n, 1.0)
+        torch.testing.assert_close(logprobs[i, :n], alone[0], atol=1e-5, rtol=0)
+        assert not logprobs[i, n:].any()
+
+
 def test_cat_and_select_rollouts_keep_rows_and_logprobs(model, tokenizer):
     torch.manual_seed(0)
     a = generate(model, tokenizer, [format_prompt(tokenizer, "1+2", True)], 2, 6, 1.0)

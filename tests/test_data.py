@@ -56,6 +56,15 @@ def test_a_null_answer_stops_the_run_before_anything_is_written(tmp_path):
                eval_size=4)
 
 
+@pytest.mark.parametrize("field", ["answer", "prompt"])
+def test_every_answer_or_prompt_empty_stops_naming_the_field(tmp_path, field):
+    """A --answer-field or --prompt-field pointing at a column that is empty in every row would train on a
+    reward of 0 (or on the chat template alone) and exit 0: stopped naming the flag."""
+    rows = [{"prompt": f"{a}+1", "answer": str(a + 1), field: ""} for a in range(20)]
+    main_fails(tmp_path, f"every {field} is empty.*--{field}-field", dataset=write_jsonl(tmp_path / "t.jsonl", rows),
+               eval_size=4)
+
+
 # --- datasets: JSON, Parquet, a folder of files, a save_to_disk folder ---------------------------------
 
 
@@ -158,22 +167,13 @@ def test_a_prompt_that_does_not_fit_the_model_is_dropped_with_a_count(tmp_path):
                   "--prompts-per-step", "8", "--group-size", "2", "--eval-every", "0", "--output-dir", str(tmp_path),
                   "--run-name", "fit"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "training data: dropped 1 of 8 prompts longer than 56 tokens" in result.stdout
-
-
-def test_a_prompt_the_tokenizer_cannot_encode_stops_naming_row_and_character(tmp_path):
-    """The default model's word-level tokenizer knows 49 characters: a prompt with another one stops at
-    start-up naming the row and character, not inside generate mid-run."""
-    rows = [{"prompt": f"{a}+1", "answer": str(a + 1)} for a in range(20)]
-    rows[5]["prompt"] = "What is 8*8? Put the final answer in \\boxed{}."
-    main_fails(tmp_path, r"training data, row 5: the tokenizer of --model cannot encode 'W' in the prompt 'What is 8",
-               dataset=write_jsonl(tmp_path / "train.jsonl", rows), eval_size=4)
+    assert "training data: dropped 1 of 8 prompts that are empty or longer than 56 tokens" in result.stdout
 
 
 def test_max_prompt_length_drops_and_a_set_left_empty_stops(tmp_path):
     data = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "1" * n + "+1", "answer": "2"} for n in range(1, 41)])
     held_out = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "1" * 30 + "+1", "answer": "2"}] * 3)
-    main_fails(tmp_path, r"held-out data: all 3 prompts are longer than --max-prompt-length 40 tokens",
+    main_fails(tmp_path, r"held-out data: all 3 prompts are empty or longer than --max-prompt-length 40 tokens",
                dataset=data, eval_dataset=held_out, max_prompt_length=40)
     main_fails(tmp_path, r"--max-new-tokens 200 leaves no room for a prompt in the model's 128 positions",
                dataset=data, eval_dataset=held_out, max_new_tokens=200)

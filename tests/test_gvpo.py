@@ -102,6 +102,16 @@ def test_reuse_trains_on_the_previous_steps_groups(tmp_path, monkeypatch):
     assert sizes == [16, 32, 48, 48]  # fresh groups, plus those of at most the 2 previous steps
 
 
+def test_a_resume_with_another_group_size_stops(tmp_path):
+    """The replayed rollouts hold groups of the checkpoint's --group-size: regrouped by another they would mix
+    prompts in a group. The resume stops with one line, as for another number of ranks."""
+    settings = dict(prompts_per_step=4, eval_every=0, reuse_steps=1, save_every=2, output_dir=str(tmp_path),
+                    run_name="g")
+    gvpo.main(gvpo.Args(num_steps=2, group_size=4, **settings))
+    with pytest.raises(UsageError, match="--group-size 2: must be 4"):
+        gvpo.main(gvpo.Args(num_steps=4, group_size=2, resume="latest", **settings))
+
+
 def test_replayed_groups_with_longer_prompts_are_scored_at_the_right_columns(tmp_path):
     """Fresh and replayed prompts of different widths are re-padded into one batch; the update must
     score responses where they start in that batch. On the first update of a step the ratio to the

@@ -1,13 +1,12 @@
 """The math reward of real data (common.correctness_reward with exact=False): a table of (gold answer,
 completion, right?) cases in the forms MATH- and GSM8K-style datasets use, each run through the
-reward itself; and the grader's deadline."""
+reward itself; and math-verify's own timeout."""
 
-import threading
 import time
 
 import pytest
 
-from common import MathVerifier, correctness_reward
+from common import correctness_reward
 
 GSM8K_GOLD = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
               "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72")
@@ -58,11 +57,9 @@ CASES = [
     ("x = 3", r"\boxed{3}", True),
     ("3", r"\boxed{x = 4}", False),
     ("x+1", r"\boxed{1+x}", True),
-    # multiple-choice letters
+    # letters, compared as symbols
     ("B", r"\boxed{B}", True),
-    ("B", "The answer is (B).", True),
     ("B", r"\boxed{C}", False),
-    ("(C)", "Answer: C", True),
     # GSM8K's gold format: reasoning, then '#### answer'
     (GSM8K_GOLD, "She sold 24 in May, so 48 + 24 = 72 in all. #### 72", True),
     (GSM8K_GOLD, r"48 + 24 = 72, so \boxed{72}", True),
@@ -79,6 +76,10 @@ CASES = [
     ("12", "", False),
     ("13", "12 13", True),  # two numbers, the last one counts (not 1213)
     ("1213", "12 13", False),
+    # a comma is a thousands separator only between groups of three digits; numbers compare exactly
+    ("0,1", r"\boxed{1}", False),  # two answers, not the number 1
+    ("123456789", r"\boxed{123456700}", False),
+    ("0.1", r"\boxed{0.1000001}", False),
 ]
 
 
@@ -97,31 +98,8 @@ def test_a_batch_is_graded_in_order():
 
 
 def test_a_completion_that_cannot_be_graded_in_time_scores_zero_and_grading_goes_on():
-    """math-verify's own timeout (signal.alarm, main thread only) is off in its child process; the deadline
-    is the parent's. A power tower (sympy spends 5 s on it before math-verify's own default timeout, longer
-    without it) scores 0 in about the deadline, and the next completion is graded by a fresh child."""
-    grade = MathVerifier(timeout_s=1.0)
-    assert grade("$1$", r"\boxed{1}")  # the child is up
+    """math-verify's own timeouts (5 s by default, as TRL's accuracy reward uses it): a power tower, which
+    sympy would evaluate for far longer, scores 0 in about that time, and the next completion is graded."""
     start = time.perf_counter()
-    assert not grade("$1$", r"\boxed{9^{9^{9}}}")
-    assert time.perf_counter() - start < 4.0 and grade.timeouts == 1  # the 1 s deadline, with slack for load
-    assert grade("$1$", r"\boxed{1}") and grade.timeouts == 1
-
-
-def test_grading_works_outside_the_main_thread():
-    """No signal is used in this process, so the reward can be called from any thread."""
-    results = []
-    thread = threading.Thread(target=lambda: results.append(
-        correctness_reward([r"\boxed{\frac{1}{2}}", r"\boxed{3}"], ["0.5", r"\sqrt{2}"], exact=False).tolist()))
-    thread.start()
-    thread.join(timeout=60)
-    assert results == [[1.0, 0.0]]
-
-
-def test_a_child_that_died_between_completions_is_started_again():
-    """A grader child killed from outside (the OOM killer, a signal) is replaced, not written to."""
-    grade = MathVerifier()
-    assert grade("$1$", r"\boxed{1}")
-    grade.child.kill()
-    grade.child.wait()
-    assert grade("$1$", r"\boxed{1}") and grade.timeouts == 0
+    assert correctness_reward([r"\boxed{9^{9^{9}}}", r"\boxed{1}"], ["1", "1"], exact=False).tolist() == [0.0, 1.0]
+    assert time.perf_counter() - start < 30  # the timeout, with slack for a loaded machine

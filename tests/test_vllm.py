@@ -146,10 +146,10 @@ def test_two_ranks_each_with_its_engine(vllm_python, tmp_path, sharding):
     assert "eval/accuracy" in metrics[-1]
 
 
-def test_a_model_whose_embeddings_grew(vllm_python, tmp_path, fixed_length_dataset):
-    """A tokenizer without a pad token gets one, and the model's embeddings a row: the engine is built with
-    the grown vocabulary, so that the pushed embeddings fit it. (Heads of 32: vLLM's CPU attention takes no
-    head size of 16.)"""
+def test_a_model_without_a_pad_token(vllm_python, tmp_path, fixed_length_dataset):
+    """A tokenizer without a pad token pads with EOS (the vocabulary stays as it is): the engine, built from
+    the model's config, takes the pushed weights and samples what the trainer scores. (Heads of 32: vLLM's
+    CPU attention takes no head size of 16.)"""
     from test_runs import tiny_llama_without_pad_token
 
     tiny_llama_without_pad_token(tmp_path / "llama", hidden_size=64)

@@ -53,7 +53,7 @@ def tied_head() -> dict:
     model = load_model(DEFAULT_MODEL, "float32", torch.device("cpu"), tokenizer)
     assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
     prompts = [format_prompt(tokenizer, p, True) for p in ("1+2", "45+67", "99+9")]
-    engine = VllmEngine(model, DEFAULT_MODEL, "float32", 0)
+    engine = VllmEngine(DEFAULT_MODEL, "float32", 0)
     out = {"before": gap(engine, model, tokenizer, prompts, push=True)}
     change(model)
     without_head = [(k, v) for k, v in unwrap(model).state_dict().items() if k != "lm_head.weight"]
@@ -77,7 +77,7 @@ def prefix_cache(folder: str) -> dict:
     model = load_model(folder, "float32", torch.device("cpu"), tokenizer)
     prompts = ["+".join(str(i) for i in range(k, k + 100)) for k in (1, 7)]
     assert min(len(tokenizer(p).input_ids) for p in prompts) > 2 * 128  # two KV blocks of vLLM's CPU backend
-    engine = VllmEngine(model, folder, "float32", 0)
+    engine = VllmEngine(folder, "float32", 0)
     out = {"before": gap(engine, model, tokenizer, prompts, push=True)}  # the prompts' blocks are cached
     change(model)
     engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(model.state_dict().items())})
