@@ -19,14 +19,13 @@ Both sample at T=1 without top-k or top-p and take 2 updates per rollout on the 
 `gradient_checkpointing=False` and, on CPU, `bf16=False` (it turns both on by default),
 `loss_type="grpo"`, `num_iterations=2`, the same prompts (`common.format_prompt`, chat template) and
 reward (`common.score`); `pip install -r benchmarks/requirements.txt` installs it. On a GPU,
-benchmarks/gpu_recipe.py runs the same comparison at its own shape (`compare`).
+benchmarks/gpu_check.py runs the same comparison at its own shape (`compare`).
 
 A round is one training step: sampling, scoring, old and reference log-probs, the updates and the
 step's logging. Each trainer runs in its own process (its own threads and random state); only one
 works at a time, the other waits. Printed: each trainer's median seconds per round and the range, the
 split of the file's round (generation, log-probs, update; TRL's: generating and scoring, with its
-log-probs, and the rest), FLOP/s of the file's phases against this machine's fp32 matmul rate
-(measured after the runs), and the ratio: the median of each round's time over its neighbour's in the other
+log-probs, and the rest), and the ratio: the median of each round's time over its neighbour's in the other
 trainer, with the range. The last line is the same as JSON. Not a test: figures depend on the machine.
 """
 
@@ -50,14 +49,16 @@ ROOT = Path(__file__).resolve().parent.parent
 # Nothing of the project is imported at the top: a worker imports the algorithm file of its own checkout.
 
 UPDATES_PER_ROLLOUT, LEARNING_RATE, BETA = 2, 2e-4, 0.04  # grpo.py's defaults
+# Qwen/Qwen3-0.6B's config.json (written out: nothing is downloaded).
+QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu")
 
 
 def realistic_model(folder: Path) -> None:
     """Qwen3-0.6B's architecture with 4 layers and random weights (seed 0), with the offline tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
-
-    from benchmarks.gpu_recipe import QWEN3_0_6B
 
     torch.manual_seed(0)
     save_with_offline_tokenizer(AutoModelForCausalLM.from_config(Qwen3Config(**{**QWEN3_0_6B, "num_hidden_layers": 4})),
@@ -102,26 +103,12 @@ class Turns:
 
 def file_worker(conn, root: str, file: str, flags: list[str]) -> None:
     """Runs `<root>/<file>.py`'s main with `flags`, one step per turn: the turn starts when its Logger
-    exists and ends when a step's metrics are logged. Also reports the step's `perf/*` split and the batch
-    shapes (rows, prompt width, response width) it sampled and scored without gradient."""
+    exists and ends when a step's metrics are logged, with the step's `perf/*` split."""
     sys.stdout = open(os.devnull, "w")  # the run's progress lines; errors still go to stderr
     sys.path.insert(0, root)
     module = importlib.import_module(file)
-    turns, logger_class, shapes = Turns(conn), module.Logger, {"generated": [], "scored": []}
-    init, log, generate, rollout_logprobs = logger_class.__init__, logger_class.log, module.generate, None
-
-    def shape(rollout) -> tuple[int, int, int, int]:  # rows, prompt width, response width, distinct prompts
-        P = rollout.prompt_length
-        return len(rollout.input_ids), P, rollout.response_mask.shape[1], len(rollout.input_ids[:, :P].unique(dim=0))
-
-    def generate_recording(*args, **kwargs):
-        rollout = generate(*args, **kwargs)
-        shapes["generated"].append(shape(rollout))
-        return rollout
-
-    def rollout_logprobs_recording(model, rollout, *args, **kwargs):
-        shapes["scored"].append(shape(rollout))
-        return rollout_logprobs(model, rollout, *args, **kwargs)
+    turns, logger_class = Turns(conn), module.Logger
+    init, log = logger_class.__init__, logger_class.log
 
     def init_then_wait(self, *args, **kwargs):
         init(self, *args, **kwargs)
@@ -129,14 +116,9 @@ def file_worker(conn, root: str, file: str, flags: list[str]) -> None:
 
     def log_then_wait(self, step, metrics):
         log(self, step, metrics)
-        figures = {key.removeprefix("perf/"): value for key, value in metrics.items() if key.startswith("perf/")}
-        turns.done({**figures, **{k: v.copy() for k, v in shapes.items()}})
-        for recorded in shapes.values():
-            recorded.clear()
+        turns.done({key.removeprefix("perf/"): value for key, value in metrics.items() if key.startswith("perf/")})
 
-    logger_class.__init__, logger_class.log, module.generate = init_then_wait, log_then_wait, generate_recording
-    if hasattr(module, "rollout_logprobs"):
-        rollout_logprobs, module.rollout_logprobs = module.rollout_logprobs, rollout_logprobs_recording
+    logger_class.__init__, logger_class.log = init_then_wait, log_then_wait
     with contextlib.suppress(Stop):
         module.main(module.cli(module.Args, flags))
 
@@ -236,46 +218,6 @@ class Worker:
         self.process.join(30)
 
 
-def matmul_gflops(size: int = 2048, repeats: int = 10) -> float:
-    """This machine's fp32 matmul rate with torch's threads: the best of `repeats` size^3 products."""
-    import torch
-
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    best = float("inf")
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best / 1e9
-
-
-def phase_gflop(config, rounds: list[dict], updates: int) -> dict[str, float]:
-    """Matmul GFLOP of the phases of a file's median round, from the batch shapes the worker recorded:
-    sampling (each distinct prompt's tokens but its last, then every row's last prompt token and each
-    new token against the KV cache, the LM head on each row's last position), the no-grad log-prob
-    passes and the update (`updates` passes of forward + backward over the sampled batch, x3 the
-    forward), counted as `gpu_recipe.update_flops` counts them: the log-prob passes and the update run
-    each distinct prompt once (as when each micro-batch holds whole groups: the whole batch at the
-    shapes here)."""
-    from benchmarks.gpu_recipe import update_flops
-
-    def forward(rows: int, tokens: int, scored: int, prompts: int | None = None) -> float:  # the head on `scored`
-        return update_flops(config, rows, tokens, scored, prompts=prompts) / 3
-
-    def sampling(rows: int, prompt: int, response: int, prompts: int) -> float:  # a position: the forward's growth
-        first = forward(rows, prompt, 1)  # every row's prompt, the head on its last position
-        if prompts < rows:  # each prompt's tokens but its last once, not once per row
-            first += forward(prompts, prompt - 1, 1) - forward(rows, prompt - 1, 0)
-        return first + sum(forward(rows, prompt + t, 1) - forward(rows, prompt + t - 1, 0) for t in range(1, response))
-
-    totals = []
-    for r in rounds:
-        totals.append({"gen": sum(sampling(*s) for s in r["generated"]),
-                       "logprobs": sum(forward(n, p + L, L, k) for n, p, L, k in r["scored"]),
-                       "update": sum(updates * 3 * forward(n, p + L, L, k) for n, p, L, k in r["generated"])})
-    return {k: statistics.median(t[k] for t in totals) / 1e9 for k in totals[0]}
-
-
 @dataclass
 class Shape:
     """A rollout round's size, as the files' flags name it."""
@@ -350,26 +292,6 @@ def print_comparison(result: dict, shape: Shape, rounds: int, warmup: int) -> No
           f"rounds; range {result['ratio_min']:.3f}-{result['ratio_max']:.3f})")
 
 
-def print_phases(result: dict, config, peak: float) -> dict[str, float]:
-    """The file's phases in GFLOP/s and as a fraction of the measured matmul rate `peak`."""
-    gflop, a = phase_gflop(config, result["rounds"], UPDATES_PER_ROLLOUT), result["this"]
-    rows, prompt, response, prompts = result["rounds"][-1]["generated"][0]
-    print(f"\n{result['names'][0]}'s phases against this machine's fp32 matmul rate, {peak:.0f} GFLOP/s (the best "
-          f"of ten 2048^3 products); {rows} sequences of {prompt} + {response} tokens ({prompts} distinct prompts) in "
-          "the last round; counted for a file that trains on what it samples (not DAPO's kept groups, PPO's critic or "
-          "GVPO's replay):")
-    print("| phase | GFLOP | s | GFLOP/s | of the matmul rate |")
-    print("|---|---|---|---|---|")
-    for phase, key in (("generation", "gen"), ("log-probs (no grad)", "logprobs"), ("update", "update")):
-        seconds = a[f"{key}_s"]
-        print(f"| {phase} | {gflop[key]:.1f} | {seconds:.3f} | {gflop[key] / seconds:.1f} | "
-              f"{gflop[key] / seconds / peak:.0%} |")
-    total = sum(gflop.values())
-    print(f"| whole round | {total:.1f} | {a['median_s']:.3f} | {total / a['median_s']:.1f} | "
-          f"{total / a['median_s'] / peak:.0%} |")
-    return gflop
-
-
 @dataclass
 class Args:
     file: Literal["grpo", "dapo", "cispo", "gvpo", "ppo", "drgrpo", "gspo", "rloo"] = "grpo"
@@ -389,8 +311,6 @@ class Args:
 def main(args: Args) -> None:
     import shlex
 
-    from transformers import AutoConfig
-
     shape = SHAPES[args.shape]
     with tempfile.TemporaryDirectory() as tmp:
         model = str(ROOT / "tiny_model")
@@ -399,12 +319,9 @@ def main(args: Args) -> None:
             realistic_model(Path(model))
         result = compare(args.file, args.against, model, shape, args.rounds, args.warmup, shlex.split(args.flags),
                          args.seed, str(Path(tmp) / "runs"))
-        config = AutoConfig.from_pretrained(model)
-    peak = matmul_gflops()  # after the runs: on the machine as they left it
     print_comparison(result, shape, args.rounds, args.warmup)
-    gflop = print_phases(result, config, peak)
     print(json.dumps({"shape": args.shape, "file": args.file, "against": args.against,
-                      **{k: v for k, v in result.items() if k != "rounds"}, "matmul_gflops": peak, "gflop": gflop}))
+                      **{k: v for k, v in result.items() if k != "rounds"}}))
 
 
 if __name__ == "__main__":

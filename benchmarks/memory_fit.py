@@ -14,9 +14,9 @@ micro-batch; L layers, hidden H, MLP width I, vocabulary V):
     activations  = L b s a   without checkpointing,   L b s H w + b s a   with it,
                    a = (12 H + 4 I) w per token and layer (what autograd saves in a Qwen layer with
                    SDPA attention: measured by --check with saved-tensor hooks), + 0.8 GB for the
-                   chunked log-prob head (benchmarks/logprob_memory.py), or 24 b s V when b s V <= 2^27
-                   (get_logprobs then keeps the logits for the backward, in one product instead of
-                   chunks: the logits and their temporaries, as a chunk's)
+                   chunked log-prob head (measured at B x T = 8 x 2048, vocabulary 151,936), or
+                   24 b s V when b s V <= 2^27 (get_logprobs then keeps the logits for the backward, in
+                   one product instead of chunks: the logits and their temporaries, as a chunk's)
     KV cache     = 2 L n_kv d_head (P + T) w per sequence, for the rank's whole rollout while sampling
     peak         = static + max(KV cache, activations)
 Not counted: the CUDA context and allocator fragmentation (keep ~10% free), a reward model or critic

@@ -10,14 +10,6 @@ from conftest import ROOT, run
 pytestmark = pytest.mark.slow  # each benchmark run at a tiny shape: `-m 'not slow'` skips them
 
 
-def test_logprob_memory_benchmark_runs(tmp_path):
-    result = run(["-m", "benchmarks.logprob_memory", "--batch", "2", "--seq", "32", "--vocab", "1000",
-                  "--hidden", "16"], cwd=ROOT)
-    assert result.returncode == 0, result.stderr
-    assert "chunked get_logprobs, forward + backward:" in result.stdout
-    assert "naive fp32 log-softmax, forward + backward:" in result.stdout
-
-
 def test_memory_fit_table_and_one_measurement_run(tmp_path):
     result = run(["-m", "benchmarks.memory_fit"], cwd=ROOT)
     assert result.returncode == 0, result.stderr
@@ -40,26 +32,6 @@ def test_memory_formula_counts_parameters_like_the_model():
     shape = Shape("t", 3, 64, 96, 4, 2, vocab=100)
     # Qwen3 adds a q/k norm per layer (2 x head_dim) that Qwen2.5's shapes do not have
     assert shape.params == sum(p.numel() for p in model.parameters()) - 3 * 2 * 16
-
-
-def test_lora_memory_benchmark_runs():
-    result = run(["-m", "benchmarks.lora_memory", "--layers", "1", "--vocab", "1000", "--steps", "1"], cwd=ROOT)
-    assert result.returncode == 0, result.stderr
-    assert "peak memory, full fine-tuning:" in result.stdout and "LoRA rank 8:" in result.stdout
-
-
-def test_step_time_benchmark_runs():
-    result = run(["-m", "benchmarks.step_time", "--steps", "3", "--files", "grpo", "--no-scaling",
-                  "--extra=--prompts-per-step 4 --group-size 4"], cwd=ROOT)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[3].startswith("| grpo.py | ")
-
-
-def test_update_parts_benchmark_runs():
-    result = run(["-m", "benchmarks.update_parts", "--vocab", "1000", "--hidden", "64", "--repeats", "1"], cwd=ROOT)
-    assert result.returncode == 0, result.stderr
-    for part in ["log-prob head, forward + backward: kept", "no-grad pass: without entropy", "AdamW step: fused"]:
-        assert part in result.stdout, part
 
 
 def test_learning_curves_write_csv_resume_and_summarize(tmp_path):
@@ -103,18 +75,17 @@ def test_learning_curves_summary_counts_steps_to_target():
     assert t["final"] == "0.750 ± 0.071"
 
 
-def test_gpu_recipe_runs_at_a_tiny_shape_on_cpu(tmp_path):
-    result = run(["-m", "benchmarks.gpu_recipe", "--config", "tiny_model", "--device", "cpu", "--prompts", "2",
-                  "--group-size", "2", "--prompt-length", "8", "--new-tokens", "4", "--out", str(tmp_path / "r.json")],
-                 cwd=ROOT)
+def test_gpu_check_runs_at_a_tiny_shape_on_cpu(tmp_path):
+    """What a lent GPU runs, in its small configuration (without vLLM here: generate only)."""
+    result = run(["-m", "benchmarks.gpu_check", "--device-check", "--out", str(tmp_path / "r.json")], cwd=ROOT)
     assert result.returncode == 0, result.stderr
-    figures = json.loads((tmp_path / "r.json").read_text())
-    assert figures["batch"] == 4 and figures["gen_tokens_per_s"] > 0 and figures["update_tflops_per_s"] > 0
+    figures = json.loads((tmp_path / "r.json").read_text())["tiny"]["generate"]
+    assert figures["gen_tokens_per_s"] > 0 and figures["update_tflops_per_s"] > 0 and figures["round_s"] > 0
 
 
 @pytest.mark.parametrize("shared", [False, True])  # 3 prompts, or 1 prompt that the 3 rows share
 @pytest.mark.parametrize("recompute_above", [2**27, 0])  # the logits kept for the backward, or recomputed there
-def test_gpu_recipe_flop_count_matches_torch_flop_counter(recompute_above, shared):
+def test_gpu_check_flop_count_matches_torch_flop_counter(recompute_above, shared):
     """update_flops (full attention) against the matmul FLOPs PyTorch counts in one get_logprobs forward +
     backward with eager attention (matmuls the counter sees), plus what the recipe leaves out on purpose:
     each forward's one logit per row (the backbone's) and, when get_logprobs recomputes its chunks in the
@@ -122,12 +93,12 @@ def test_gpu_recipe_flop_count_matches_torch_flop_counter(recompute_above, share
     run it once (then two forwards: the prompt's, 1 row, and the responses')."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from benchmarks.gpu_recipe import build_config, update_flops
-    from common import get_logprobs
+    from benchmarks.gpu_check import update_flops
+    from common import DEFAULT_MODEL, get_logprobs
 
-    config = build_config("tiny_model")
+    config = AutoConfig.from_pretrained(DEFAULT_MODEL)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     B, P, L = 3, 10, 6
     ids = torch.randint(1, config.vocab_size, (B, P + L))
@@ -149,19 +120,18 @@ def test_gpu_recipe_flop_count_matches_torch_flop_counter(recompute_above, share
 def lockstep(*args: str) -> dict:
     result = run(["-m", "benchmarks.lockstep", "--rounds", "2", "--warmup", "1", *args], cwd=ROOT)
     assert result.returncode == 0, result.stderr
-    assert "| grpo.py (this checkout) | " in result.stdout and "| whole round | " in result.stdout
+    assert "| grpo.py (this checkout) | " in result.stdout
     return json.loads(result.stdout.splitlines()[-1])
 
 
 def test_lockstep_against_another_checkout_runs():
     """This checkout against itself (as --against): two workers of the same code take turns, so the ratio
-    is about 1; the file's split adds up to less than its round, and its phases were counted."""
+    is about 1, and the file's split adds up to less than its round."""
     figures = lockstep("--against", str(ROOT), "--flags=--micro-batch-size 128")
     assert 0.5 < figures["ratio"] < 2, figures
     for side in ("this", "other"):
         s = figures[side]
         assert 0 < s["gen_s"] + s["logprobs_s"] + s["update_s"] < s["median_s"] * 1.01, s
-    assert figures["gflop"]["update"] > figures["gflop"]["gen"] > 0
 
 
 def test_lockstep_against_trl_runs_when_trl_is_installed():
@@ -176,32 +146,3 @@ def test_lockstep_stops_on_a_bad_against(tmp_path):
     assert result.returncode != 0 and "neither 'trl' nor a folder with grpo.py" in result.stderr
 
 
-def test_real_model_recipe_runs_at_a_tiny_shape(tmp_path):
-    """The GSM8K recipe's command, with the default model and a saved dataset in GSM8K's fields and answer
-    form instead of the Hub's: it trains, and prints and saves the accuracy before and after."""
-    import datasets
-
-    rows = [{"question": f"{a}+{b}", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
-            for a in range(20) for b in range(3)]
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:50]),
-                          "test": datasets.Dataset.from_list(rows[50:])}).save_to_disk(str(tmp_path / "gsm"))
-    result = run(["-m", "benchmarks.real_model", "--model", "tiny_model", "--dataset", str(tmp_path / "gsm"),
-                  "--eval-split", "test", "--prompt-field", "question", "--max-new-tokens", "8", "--num-steps", "2",
-                  "--output-dir", str(tmp_path), "--flags=--prompts-per-step 4 --group-size 4 --micro-batch-size 8 "
-                  "--learning-rate 1e-4"], cwd=ROOT)
-    assert result.returncode == 0, result.stderr
-    assert "grpo.py on gsm8k, 2 steps" in result.stdout and "held-out accuracy" in result.stdout
-    summary = json.loads((tmp_path / "grpo-gsm8k.json").read_text())
-    assert 0 <= summary["accuracy_before"] <= 1 and 0 <= summary["accuracy_after"] <= 1
-    assert "--prompt-field" in summary["command"] and "--learning-rate" in summary["command"]
-
-
-def test_checkpoint_memory_benchmark_runs():
-    result = run(["-m", "benchmarks.checkpoint_memory", "--layers", "1", "--hidden", "64", "--intermediate", "128",
-                  "--vocab", "256"], cwd=ROOT)
-    assert result.returncode == 0, result.stderr
-    rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| save")
-            or line.startswith("| export") or line.startswith("| resume")]
-    assert sorted((call.strip(), rank.strip()) for call, rank, *_ in rows) == \
-        [(call, rank) for call in ("export", "resume", "save") for rank in ("0", "1")]
-    assert "DCP shards" in result.stdout

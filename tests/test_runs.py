@@ -123,8 +123,8 @@ def test_a_cpu_run_on_several_ranks_ends_without_interpreter_teardown(tmp_path):
     """gloo's worker threads outlive destroy_process_group where anything still holds the group (after
     FSDP, torch's DTensor caches hold its device mesh), and one still releasing the last collective's
     tensors needs the GIL; during Python's teardown that aborts the process ('terminate called without an
-    active exception', exit code -6: without the guard, 3 of 6 two-rank runs of `python -m
-    benchmarks.checkpoint_memory` beside a busy process; with it, 0 of 6). So on CPU cleanup_distributed
+    active exception', exit code -6: without the guard, 3 of 6 two-rank runs of an FSDP checkpoint save
+    and resume beside a busy process; with it, 0 of 6). So on CPU cleanup_distributed
     ends the process once the group is gone: exit code 0, the output flushed, and no teardown (no exit
     hook runs)."""
     script = tmp_path / "last_lines.py"

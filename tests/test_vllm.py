@@ -162,10 +162,10 @@ def test_a_model_without_a_pad_token(vllm_python, tmp_path, fixed_length_dataset
         assert m["policy/sampler_logprob_gap_max"] <= GAP, m
 
 
-def test_the_gpu_recipe_runs_on_a_cpu(vllm_python, tmp_path):
-    """benchmarks/vllm_recipe.py, in its small configuration: what a lent GPU would run, checked to run."""
+def test_the_gpu_check_runs_on_a_cpu(vllm_python, tmp_path):
+    """benchmarks/gpu_check.py, in its small configuration: what a lent GPU would run, checked to run."""
     out = tmp_path / "figures.json"
-    result = run_vllm(vllm_python, ["benchmarks/vllm_recipe.py", "--device-check", "--out", str(out)], cwd=tmp_path)
+    result = run_vllm(vllm_python, ["-m", "benchmarks.gpu_check", "--device-check", "--out", str(out)], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-5000:]
     figures = json.loads(out.read_text())["tiny"]
     assert figures["generate"]["gen_tokens_per_s"] > 0 and figures["vllm"]["gen_tokens_per_s"] > 0

@@ -1,0 +1,178 @@
+"""The GPU check: grpo.py's own training rounds on one GPU at a real model's shape, sampling with
+`model.generate` and with --vllm, and against TRL's GRPOTrainer. Random weights of the Qwen2.5-0.5B or
+1.5B shape (nothing is downloaded) with the offline default's tokenizer, on prompts of --prompt-length
+tokens: ids past the tokenizer's 52 decode to nothing and EOS is rare, so completions run to --new-tokens,
+as a throughput figure wants.
+
+    python -m benchmarks.gpu_check            # in the vLLM environment (requirements-vllm.txt), + trl for TRL
+    python -m benchmarks.gpu_check --shapes tiny --device-check   # the CPU check the tests run
+
+For each shape grpo.py runs 1 + --rounds steps (the first, which compiles and warms up, is left out) with
+generate and, when vLLM is installed, with --vllm. Printed per run, from its metrics.jsonl: seconds per
+round, of which sampling; sampled tokens per second; peak memory; the update's TFLOP/s and, on a GPU, its
+MFU (the matmul FLOPs of `update_flops` over perf/update_s and --peak-tflops); with --vllm the sampler gap
+and what the rollout correction did. Then, with trl and a GPU, grpo.py against TRL in turns
+(benchmarks/lockstep.py), each side with its own sampler: generate, then vLLM.
+"""
+
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import tyro
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from benchmarks.lockstep import Shape, compare, print_comparison, save_with_offline_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+UPDATES_PER_ROLLOUT = 2  # grpo.py's default: the update runs twice over the batch
+
+# Qwen/Qwen2.5-0.5B-Instruct's and Qwen/Qwen2.5-1.5B-Instruct's config.json, written out (no hub access).
+QWEN2_5 = {
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1),  # the CPU check (vLLM's CPU attention takes heads of 32)
+}
+
+
+def qwen_config(shape: str) -> Qwen2Config:
+    return Qwen2Config(vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                       hidden_act="silu", use_sliding_window=False, tie_word_embeddings=True, **QWEN2_5[shape])
+
+
+def update_flops(config, num_sequences: int, sequence_length: int, response_length: int,
+                 causal: bool = True, prompts: int | None = None) -> float:
+    """Model FLOPs of one forward + backward of grpo.py's update over `num_sequences` sequences of
+    `sequence_length` tokens, `response_length` of them scored (the backward costs 2 forwards). With
+    `prompts`, the sequences share that many prompt forwards (common.response_hidden_states runs a prompt
+    once per micro-batch); without, every sequence runs whole. Attention: the causal half of its scores."""
+    d, layers = config.hidden_size, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
+    q_dim, kv_dim = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    layer_weights = d * (q_dim + 2 * kv_dim) + q_dim * d + 3 * d * config.intermediate_size  # attention + MLP
+    P, L, n = sequence_length - response_length, response_length, num_sequences
+    if prompts is None:  # each sequence's positions, each against all T (or, causal, half of the T x T)
+        positions, scores = n * sequence_length, n * sequence_length**2 / (2 if causal else 1)
+    else:  # the prompts' positions among themselves, each response position against its prompt and response
+        positions, scores = prompts * P + n * L, (prompts * P**2 + n * L**2) / (2 if causal else 1) + n * L * P
+    weights = 2 * layers * layer_weights * positions
+    attention = 2 * 2 * layers * q_dim * scores  # QK^T and AV
+    lm_head = 2 * d * config.vocab_size * n * response_length
+    return 3 * (weights + attention + lm_head)
+
+
+@dataclass
+class Args:
+    shapes: list[str] = field(default_factory=lambda: ["0.5b", "1.5b"])
+    """Qwen2.5 shapes to run: 0.5b, 1.5b (tiny: the CPU check)"""
+    prompts: int = 32
+    group_size: int = 8
+    prompt_length: int = 256
+    """tokens of each prompt, with the chat template"""
+    new_tokens: int = 512
+    micro_batch_size: int = 32
+    """sequences per forward/backward (whole groups: a multiple of --group-size)"""
+    rounds: int = 2
+    """timed training rounds of each run (after one warm-up round)"""
+    peak_tflops: float = 989.0
+    """the accelerator's dense bf16 peak (H100/H200 SXM: 989)"""
+    trl: bool = True
+    """grpo.py against TRL, when trl is installed and a GPU is there"""
+    device_check: bool = False
+    """a small configuration that runs on a CPU in about a minute (the tests')"""
+    out: Path | None = None
+    """also write the figures to this JSON file"""
+
+
+def dataset(folder: Path, args: Args) -> tuple[Path, int]:
+    """Prompts of digits that take --prompt-length tokens with the chat template: (the JSONL file, P)."""
+    from common import format_prompt, load_tokenizer
+
+    tokenizer = load_tokenizer(str(folder / "model"))
+    template = len(tokenizer(format_prompt(tokenizer, "", True), add_special_tokens=False).input_ids)
+    generator = torch.Generator().manual_seed(0)
+    rows = [{"prompt": "".join(map(str, torch.randint(10, (args.prompt_length - template,), generator=generator)
+                                  .tolist())), "answer": "1"} for _ in range(4 * args.prompts)]
+    (folder / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return folder / "prompts.jsonl", args.prompt_length
+
+
+def grpo_rounds(folder: Path, args: Args, config, P: int, vllm: bool) -> dict:
+    """grpo.py's figures for --rounds rounds after a warm-up, from its metrics.jsonl."""
+    name = "vllm" if vllm else "generate"
+    command = [sys.executable, str(ROOT / "grpo.py"), "--model", str(folder / "model"), "--dataset",
+               str(folder / "prompts.jsonl"), "--eval-every", "0", "--eval-size", "0",
+               "--num-steps", str(1 + args.rounds), "--learning-rate", "1e-6", "--output-dir", str(folder / "runs"),
+               "--run-name", name, *(["--vllm"] if vllm else []),
+               *Shape(args.prompts, args.group_size, args.new_tokens, args.micro_batch_size).flags()]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"error: grpo.py{' --vllm' if vllm else ''} failed:\n{result.stderr[-3000:]}")
+    steps = [json.loads(line) for line in (folder / "runs" / name / "metrics.jsonl").read_text().splitlines()][1:]
+    B = args.prompts * args.group_size
+    L = round(statistics.median(m["response/length_mean"] for m in steps))
+    flops = UPDATES_PER_ROLLOUT * update_flops(config, B, P + L, L, prompts=B // args.group_size)  # whole groups
+    update_s = statistics.median(m["perf/update_s"] for m in steps)
+    figures = {"round_s": statistics.median(m["perf/step_s"] for m in steps),
+               "gen_s": statistics.median(m["perf/gen_s"] for m in steps),
+               "gen_tokens_per_s": statistics.median(m["response/length_mean"] * B / m["perf/gen_s"] for m in steps),
+               "update_s": update_s, "update_tflops_per_s": flops / update_s / 1e12,
+               "peak_mem_gb": max(m["perf/peak_mem_gb"] for m in steps)}
+    if torch.cuda.is_available():
+        figures["mfu"] = figures["update_tflops_per_s"] / args.peak_tflops
+    for key in ("sampler_logprob_gap", "sampler_logprob_gap_max", "correction_weight_mean",
+                "correction_truncated_frac"):
+        if f"policy/{key}" in steps[0]:
+            figures[key] = max(m[f"policy/{key}"] for m in steps)
+    return figures
+
+
+def main(args: Args) -> None:
+    if args.device_check:
+        args.shapes, args.prompts, args.group_size, args.prompt_length, args.new_tokens = ["tiny"], 2, 2, 40, 8
+        args.micro_batch_size, args.rounds = 4, 1
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    device = "GPU " + torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    print(f"{device}; {args.prompts} prompts of {args.prompt_length} tokens x {args.group_size} completions of "
+          f"{args.new_tokens} new tokens, micro-batches of {args.micro_batch_size}, {args.rounds} timed round(s) "
+          f"after a warm-up{'' if has_vllm else '; vLLM is not installed: generate only'}", flush=True)
+    results = {}
+    for shape in args.shapes:
+        with tempfile.TemporaryDirectory() as tmp:
+            folder, config = Path(tmp), qwen_config(shape)
+            torch.manual_seed(0)
+            save_with_offline_tokenizer(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16),
+                                        folder / "model")
+            _, P = dataset(folder, args)
+            results[shape] = {}
+            for vllm in (False, True) if has_vllm else (False,):
+                figures = results[shape]["vllm" if vllm else "generate"] = grpo_rounds(folder, args, config, P, vllm)
+                print(f"Qwen2.5-{shape} grpo.py{' --vllm' if vllm else ''}: " +
+                      ", ".join(f"{k} {v:.4g}" for k, v in figures.items()), flush=True)
+            if not (args.trl and importlib.util.find_spec("trl") and torch.cuda.is_available()):
+                print("grpo.py against TRL: not run (it needs trl and a GPU)", flush=True)
+                continue
+            batch = Shape(args.prompts, args.group_size, args.new_tokens, args.micro_batch_size)
+            for vllm in (False, True) if has_vllm else (False,):
+                result = compare("grpo", "trl", str(folder / "model"), batch, 2, 1, ["--vllm"] if vllm else [], 1,
+                                 str(folder / f"lockstep_{vllm}"), trl_vllm=vllm)
+                print_comparison(result, batch, 2, 1)
+                results[shape]["trl_vllm" if vllm else "trl"] = {
+                    "grpo_round_s": result["this"]["median_s"], "trl_round_s": result["other"]["median_s"],
+                    "ratio": result["ratio"]}
+    print(json.dumps(results))
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
