@@ -206,8 +206,10 @@ def current_device() -> torch.device:
 
 def all_reduce_mean(metrics: dict[str, float | torch.Tensor]) -> dict[str, float]:
     """Scalar metrics (floats or 0-dim tensors) averaged over ranks, with one all-reduce and one copy to the host."""
+    if not metrics:
+        return {}
     values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=current_device()).detach()
-                          for v in metrics.values()]) if metrics else torch.zeros(0)
+                          for v in metrics.values()])
     return dict(zip(metrics, (all_reduce(values) / (dist.get_world_size() if dist.is_initialized() else 1)).tolist()))
 
 
