@@ -511,16 +511,14 @@ def load_task(args) -> tuple:
                                 args.eval_split, prompt_field=args.prompt_field, answer_field=args.answer_field)
     reward_fn = load_reward_fn(args.reward_fn, train[:2]) if args.reward_fn else None
     tokenizer = load_tokenizer(args.model)
-    train, held_out = (fit_prompts(examples, what, tokenizer, args) for examples, what in
-                       ((train, "training data"), (held_out, "held-out data")))
-    return tokenizer, train, held_out, args.dataset is None, reward_fn
+    return tokenizer, *fit_prompts(train, held_out, tokenizer, args), args.dataset is None, reward_fn
 
 
-def fit_prompts(examples: list[dict], what: str, tokenizer, args) -> list[dict]:
+def fit_prompts(train: list[dict], held_out: list[dict], tokenizer, args) -> tuple[list[dict], list[dict]]:
     """The examples whose prompt, formatted as it will be sampled from, is not empty, has at most
     --max-prompt-length tokens and leaves room for --max-new-tokens in the model's positions (a longer one
     would crash the step that draws it, or train positions past the trained range); the others are dropped
-    with a count; none left stops the run."""
+    with a count; a set left empty stops the run."""
     positions = model_positions(args.model)
     limit = min(args.max_prompt_length or math.inf, positions - args.max_new_tokens if positions else math.inf)
     if limit < 1:
@@ -528,15 +526,18 @@ def fit_prompts(examples: list[dict], what: str, tokenizer, args) -> list[dict]:
                          f"{positions} positions. Lower --max-new-tokens.")
     why = f"longer than --max-prompt-length {limit} tokens" if limit == args.max_prompt_length else \
         f"longer than {limit} tokens (the model takes {positions} positions, --max-new-tokens of them)"
-    texts = [format_prompt(tokenizer, e["prompt"], args.chat_template) for e in examples]
-    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids] if texts else []
-    kept = [e for e, n in zip(examples, lengths) if 0 < n <= limit]
-    if examples and not kept:
-        raise UsageError(f"{what}: all {len(examples)} prompts are empty or {why}. Raise --max-prompt-length, or "
-                         "lower --max-new-tokens.")
-    if len(kept) < len(examples):
-        print0(f"{what}: dropped {len(examples) - len(kept)} of {len(examples)} prompts that are empty or {why}")
-    return kept
+    fitted = []
+    for examples, what in ((train, "training data"), (held_out, "held-out data")):
+        texts = [format_prompt(tokenizer, e["prompt"], args.chat_template) for e in examples]
+        lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids] if texts else []
+        fitted.append([e for e, n in zip(examples, lengths) if 0 < n <= limit])
+        if examples and not fitted[-1]:
+            raise UsageError(f"{what}: all {len(examples)} prompts are empty or {why}. Raise --max-prompt-length, "
+                             "or lower --max-new-tokens.")
+        if len(fitted[-1]) < len(examples):
+            print0(f"{what}: dropped {len(examples) - len(fitted[-1])} of {len(examples)} prompts that are empty or "
+                   f"{why}")
+    return fitted[0], fitted[1]
 
 
 def format_prompt(tokenizer, prompt: str, chat_template: bool) -> str:
