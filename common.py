@@ -1293,8 +1293,7 @@ def _read_info(checkpoint: Path) -> dict:
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The resumable checkpoint of the highest step in run_dir (never a half-written `step_N.tmp`)."""
-    found = [p for p in _step_folders(run_dir) if _read_info(p).get("resumable")]
-    return found[-1] if found else None
+    return next((p for p in reversed(_step_folders(run_dir)) if _read_info(p).get("resumable")), None)
 
 
 def _step_folders(run_dir: Path) -> list[Path]:

@@ -28,10 +28,9 @@ import torch
 import tyro
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from benchmarks.lockstep import Shape, compare, print_comparison, save_with_offline_tokenizer
+from benchmarks.lockstep import UPDATES_PER_ROLLOUT, Shape, compare, print_comparison, save_with_offline_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-UPDATES_PER_ROLLOUT = 2  # grpo.py's default: the update runs twice over the batch
 
 # Qwen/Qwen2.5-0.5B-Instruct's and Qwen/Qwen2.5-1.5B-Instruct's config.json, written out (no hub access).
 QWEN2_5 = {
@@ -93,8 +92,8 @@ class Args:
     """also write the figures to this JSON file"""
 
 
-def dataset(folder: Path, args: Args) -> tuple[Path, int]:
-    """Prompts of digits that take --prompt-length tokens with the chat template: (the JSONL file, P)."""
+def dataset(folder: Path, args: Args) -> None:
+    """<folder>/prompts.jsonl: prompts of digits that take --prompt-length tokens with the chat template."""
     from common import format_prompt, load_tokenizer
 
     tokenizer = load_tokenizer(str(folder / "model"))
@@ -103,10 +102,9 @@ def dataset(folder: Path, args: Args) -> tuple[Path, int]:
     rows = [{"prompt": "".join(map(str, torch.randint(10, (args.prompt_length - template,), generator=generator)
                                   .tolist())), "answer": "1"} for _ in range(4 * args.prompts)]
     (folder / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return folder / "prompts.jsonl", args.prompt_length
 
 
-def grpo_rounds(folder: Path, args: Args, config, P: int, vllm: bool) -> dict:
+def grpo_rounds(folder: Path, args: Args, config, vllm: bool) -> dict:
     """grpo.py's figures for --rounds rounds after a warm-up, from its metrics.jsonl."""
     name = "vllm" if vllm else "generate"
     command = [sys.executable, str(ROOT / "grpo.py"), "--model", str(folder / "model"), "--dataset",
@@ -120,7 +118,8 @@ def grpo_rounds(folder: Path, args: Args, config, P: int, vllm: bool) -> dict:
     steps = [json.loads(line) for line in (folder / "runs" / name / "metrics.jsonl").read_text().splitlines()][1:]
     B = args.prompts * args.group_size
     L = round(statistics.median(m["response/length_mean"] for m in steps))
-    flops = UPDATES_PER_ROLLOUT * update_flops(config, B, P + L, L, prompts=B // args.group_size)  # whole groups
+    flops = UPDATES_PER_ROLLOUT * update_flops(config, B, args.prompt_length + L, L,
+                                               prompts=B // args.group_size)  # micro-batches of whole groups
     update_s = statistics.median(m["perf/update_s"] for m in steps)
     figures = {"round_s": statistics.median(m["perf/step_s"] for m in steps),
                "gen_s": statistics.median(m["perf/gen_s"] for m in steps),
@@ -152,10 +151,10 @@ def main(args: Args) -> None:
             torch.manual_seed(0)
             save_with_offline_tokenizer(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16),
                                         folder / "model")
-            _, P = dataset(folder, args)
+            dataset(folder, args)
             results[shape] = {}
             for vllm in (False, True) if has_vllm else (False,):
-                figures = results[shape]["vllm" if vllm else "generate"] = grpo_rounds(folder, args, config, P, vllm)
+                figures = results[shape]["vllm" if vllm else "generate"] = grpo_rounds(folder, args, config, vllm)
                 print(f"Qwen2.5-{shape} grpo.py{' --vllm' if vllm else ''}: " +
                       ", ".join(f"{k} {v:.4g}" for k, v in figures.items()), flush=True)
             if not (args.trl and importlib.util.find_spec("trl") and torch.cuda.is_available()):
