@@ -54,6 +54,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_MODEL = str(HERE / "tiny_model")  # made by make_tiny_model.py
+# The built-in tasks (builtin_splits): the default --model and --max-new-tokens of each
+TASKS = {"add": (DEFAULT_MODEL, 8), "chain": (str(HERE / "tiny_model_chain"), 64)}
 # The KV cache's name in forward's arguments and outputs: `cache` from transformers 5.20, `past_key_values`
 # before (vLLM's CPU build, which the tests use, pins an older transformers than requirements.txt).
 CACHE = "cache" if "cache" in transformers.modeling_outputs.CausalLMOutputWithPast.__dataclass_fields__ else \
@@ -123,6 +125,11 @@ def check_flags(args) -> None:
         value = getattr(args, field.name)
         if isinstance(value, float) and not math.isfinite(value) and (field.name, value) != ("max_grad_norm", math.inf):
             raise UsageError(f"--{field.name.replace('_', '-')} {value}: must be a finite number.")
+    if args.task is not None and args.dataset is not None:
+        raise UsageError(f"--task {args.task} is a built-in dataset: pass --task or --dataset, not both.")
+    model, max_new_tokens = TASKS[args.task or "add"]  # the defaults that follow the task
+    args.model = model if args.model is None else args.model
+    args.max_new_tokens = max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
     for name, valid, must, why in FLAG_RULES:
         value = getattr(args, name)
         require(valid(value), f"--{name.replace('_', '-')}", value, must + (f" ({why})" if why else ""))
@@ -396,12 +403,24 @@ def model_positions(name: str) -> int | None:
 # 4. Data --------------------------------------------------------------------------------------------------------
 
 
-def builtin_splits(max_operand: int = 99, eval_size: int = 500) -> tuple[list[dict], list[dict]]:
-    """The built-in task: `a+b` for 0 <= a, b <= max_operand, answered with the sum's digits. All pairs,
-    shuffled once with a fixed seed: the first `eval_size` are held out, the rest (9,500) train."""
-    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
-    order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(1234)).tolist()
-    examples = [{"prompt": f"{a}+{b}", "answer": str(a + b)} for a, b in (pairs[i] for i in order)]
+def builtin_splits(task: str = "add", eval_size: int = 500) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) examples of a built-in task, fixed by a seed; the first `eval_size` are held out.
+    add: `a+b` for 0 <= a, b <= 99, answered with the sum's digits; all 10,000 pairs.
+    chain: sums of 2-6 numbers (0-99), answered after '####'; 20,000 distinct prompts. `demo`: a worked
+    completion (`12+7=19 19+30=49 #### 49`), the warm-up data's and gvpo.py --demos-per-group's."""
+    if task == "add":
+        pairs = [(a, b) for a in range(100) for b in range(100)]
+        order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(1234)).tolist()
+        examples = [{"prompt": f"{a}+{b}", "answer": str(a + b)} for a, b in (pairs[i] for i in order)]
+        return examples[eval_size:], examples[:eval_size]
+    rng, examples = random.Random(1234), {}
+    while len(examples) < 20_000:
+        numbers = [rng.randrange(100) for _ in range(rng.randint(2, 6))]
+        steps = [f"{sum(numbers[:i])}+{numbers[i]}={sum(numbers[:i + 1])}" for i in range(1, len(numbers))]
+        examples.setdefault("+".join(map(str, numbers)), {
+            "prompt": "+".join(map(str, numbers)), "answer": str(sum(numbers)),
+            "demo": " ".join(steps) + f" #### {sum(numbers)}"})
+    examples = list(examples.values())
     return examples[eval_size:], examples[:eval_size]
 
 
@@ -484,11 +503,12 @@ def _dataset_records(source: str, flag: str, config: str | None, split: str | No
 
 
 def load_data(dataset: str | None, eval_dataset: str | None, eval_size: int, dataset_config: str | None = None,
-              split: str = "train", eval_split: str | None = None, **fields) -> tuple[list[dict], list[dict]]:
-    """(train, eval) examples: the built-in task, or `load_rows` of --dataset with, held out, --eval-dataset
+              split: str = "train", eval_split: str | None = None, task: str = "add", **fields
+              ) -> tuple[list[dict], list[dict]]:
+    """(train, eval) examples: the built-in `task`, or `load_rows` of --dataset with, held out, --eval-dataset
     (at --eval-split or its 'test' split), else --eval-split of --dataset, else its last `eval_size` rows."""
     if dataset is None:
-        train, held_out = builtin_splits(eval_size=eval_size)
+        train, held_out = builtin_splits(task, eval_size)
         if not train:
             raise UsageError(f"--eval-size {eval_size}: the built-in task has {len(held_out)} prompts, so none "
                              "would be left to train on. Hold out fewer (the default is 500).")
@@ -508,7 +528,8 @@ def load_task(args) -> tuple:
     fast: `load_data`'s examples whose prompts fit the model (`fit_prompts`); `exact`: the built-in task's
     answers are compared as whole strings; the --reward-fn function, tried on two examples, or None."""
     train, held_out = load_data(args.dataset, args.eval_dataset, args.eval_size, args.dataset_config, args.split,
-                                args.eval_split, prompt_field=args.prompt_field, answer_field=args.answer_field)
+                                args.eval_split, args.task or "add", prompt_field=args.prompt_field,
+                                answer_field=args.answer_field)
     reward_fn = load_reward_fn(args.reward_fn, train[:2]) if args.reward_fn else None
     tokenizer = load_tokenizer(args.model)
     return tokenizer, *fit_prompts(train, held_out, tokenizer, args), args.dataset is None, reward_fn
@@ -613,7 +634,8 @@ def math_reward(completion: str, answer: str) -> bool:
 def correctness_reward(completions: list[str], answers: list[str], exact: bool) -> torch.Tensor:
     """1.0 where the completion is right: the whole text equals the answer (`exact`, the built-in task), or
     it states the gold answer (`math_reward`, real data)."""
-    right = [c.strip() == a.strip() if exact else math_reward(c, a) for c, a in zip(completions, answers)]
+    right = [c.rsplit("####", 1)[-1].strip() == a.strip() if exact else math_reward(c, a)
+             for c, a in zip(completions, answers)]
     return torch.tensor(right, dtype=torch.float32)
 
 
@@ -753,6 +775,26 @@ def select_rows(rollout: Rollout, rows: torch.Tensor) -> Rollout:
     return Rollout(rollout.input_ids[rows], rollout.attention_mask[rows], rollout.response_mask[rows],
                    rollout.prompt_length, [rollout.texts[i] for i in rows.tolist()], rollout.truncated[rows],
                    rollout.sampler_logprobs[rows])
+
+
+def given_rollout(tokenizer, prompts: list[str], completions: list[str], max_new_tokens: int,
+                  device: torch.device) -> Rollout:
+    """A rollout of given completions (one per prompt text, formatted), as `generate` would return it had it
+    sampled them: each with the EOS token after it, cut at `max_new_tokens` (then truncated). Nothing sampled
+    them: their sampler log-probs are 0."""
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    ids = [x[:max_new_tokens] for x in tokenizer([c + tokenizer.eos_token for c in completions],
+                                                  add_special_tokens=False).input_ids]
+    lengths = torch.tensor([len(x) for x in ids])
+    response = torch.full((len(ids), int(lengths.max())), tokenizer.pad_token_id)
+    for i, x in enumerate(ids):
+        response[i, : len(x)] = torch.tensor(x)
+    response_mask = (torch.arange(response.shape[1])[None] < lengths[:, None]).float()
+    truncated = torch.tensor([x[-1] != tokenizer.eos_token_id for x in ids])
+    return Rollout(torch.cat([enc.input_ids, response], 1).to(device),
+                   torch.cat([enc.attention_mask, response_mask.long()], 1).to(device), response_mask.to(device),
+                   enc.input_ids.shape[1], tokenizer.batch_decode(ids, skip_special_tokens=True), truncated.to(device),
+                   torch.zeros(response.shape, device=device))
 
 
 class Sampler(LogitsProcessor):
@@ -1057,13 +1099,22 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def step_metrics(rewards: torch.Tensor, components: dict[str, torch.Tensor], rollout: Rollout,
                  times: dict[str, float], step_start: float) -> dict[str, float | torch.Tensor]:
-    """What a step sampled (rewards, response lengths, truncation) and what it cost (seconds of each timed part,
-    tokens per second: this rank's times the ranks, so that the mean over ranks is the step's; peak memory)."""
-    lengths, step_s = rollout.response_mask.sum(-1), time.perf_counter() - step_start
+    """What a step sampled (rewards, response lengths, truncation; the mean length of correct and of wrong
+    completions, and the share that write 'wait' and how often those are right, summed over ranks: NaN when
+    none) and what it cost (seconds of each timed part, tokens per second: this rank's times the ranks, so that
+    the mean over ranks is the step's; peak memory)."""
+    lengths, step_s = rollout.response_mask.sum(-1).double(), time.perf_counter() - step_start
     world_size = dist.get_world_size() if dist.is_initialized() else 1
+    right = components["correct"].to(lengths.device).double()
+    wait = torch.tensor([re.search(r"\bwait\b", t, re.IGNORECASE) is not None for t in rollout.texts],
+                        dtype=torch.float64, device=lengths.device)
+    sums = all_reduce(torch.stack([lengths @ right, right.sum(), lengths @ (1 - right), (1 - right).sum(),
+                                   wait.sum(), wait @ right, lengths.new_tensor(len(wait))]))
     return {"reward/mean": rewards.mean(), "reward/std": rewards.std(),
             **{f"reward/{name}": value.mean() for name, value in components.items()},
             "response/length_mean": lengths.mean(), "response/truncated_frac": rollout.truncated.float().mean(),
+            "response/length_correct": sums[0] / sums[1], "response/length_wrong": sums[2] / sums[3],
+            "task/self_correction_frac": sums[4] / sums[6], "task/self_correction_accuracy": sums[5] / sums[4],
             "perf/step_s": step_s, **{f"perf/{name}_s": seconds for name, seconds in times.items()},
             "perf/tokens_per_s": lengths.sum() * world_size / step_s,
             "perf/peak_mem_gb": peak_memory_gb(rollout.response_mask.device)}

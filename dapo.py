@@ -43,7 +43,6 @@ import tyro
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import (
-    DEFAULT_MODEL,
     Logger,
     UsageError,
     VllmEngine,
@@ -110,13 +109,16 @@ class ExperimentFlags:
 
 @dataclass
 class ModelAndDataFlags:
-    model: str = DEFAULT_MODEL
-    """Hugging Face model name or local folder"""
+    model: Optional[str] = None
+    """Hugging Face model name or local folder; left out: the bundled tiny model of --task"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """weights dtype; auto = float32 on CPU, bfloat16 on GPU (log-probs are always computed in float32)"""
     dataset: Optional[str] = None
     """training data: a JSONL file, a Hugging Face dataset name, or a JSON/Parquet/CSV file or dataset folder
-    (needs `pip install datasets`); left out: the built-in a+b task"""
+    (needs `pip install datasets`); left out: the built-in --task"""
+    task: Optional[Literal["add", "chain"]] = None
+    """built-in task, without --dataset: add (a+b, answered with the digits) or chain (sums of 2-6 numbers,
+    partial sums then '#### total': the lab, docs/lab.md); left out: add"""
     dataset_config: Optional[str] = None
     """configuration of --dataset (e.g. 'main' for openai/gsm8k)"""
     split: str = "train"
@@ -150,8 +152,9 @@ class RolloutFlags:
     max_prompt_length: Optional[int] = None
     """drop prompts longer than this many tokens after the chat template; left out: only those that leave
     no room for --max-new-tokens in the model's positions are dropped"""
-    max_new_tokens: int = 8
-    """generation limit per completion; a completion that reaches it without EOS is 'truncated'"""
+    max_new_tokens: Optional[int] = None
+    """generation limit per completion; a completion that reaches it without EOS is 'truncated'; left out:
+    64 for --task chain, else 8"""
     temperature: float = 1.0
     """sampling temperature; log-probs divide the logits by it too"""
     vllm: bool = False
@@ -209,7 +212,7 @@ class AlgorithmFlags:
     """dynamic sampling: generation rounds per step at most (verl recipe: 10); then train on the groups kept"""
     overlong_buffer: int = 4
     """L_cache: the overlong penalty ramps from 0 to -1 over the last N tokens before --max-new-tokens
-    (paper: 4096 of 20480)"""
+    (paper: 4096 of 20480); 0: no overlong penalty"""
     overlong_filtering: bool = False
     """mask truncated completions out of the loss (off in the paper's best run)"""
 
@@ -243,8 +246,9 @@ def compute_advantages(rewards: torch.Tensor, group_size: int, std_eps: float = 
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int) -> torch.Tensor:
     """Soft overlong punishment (DAPO Eq. 13), added to the reward: 0 up to max_length - buffer tokens,
-    then falling linearly to -1 at max_length, and -1 beyond. lengths: (B,) response tokens, EOS included."""
-    return ((max_length - buffer - lengths) / buffer).clamp(-1.0, 0.0)
+    then falling linearly to -1 at max_length, and -1 beyond (buffer 0: none). lengths: (B,) response tokens,
+    EOS included."""
+    return ((max_length - buffer - lengths) / buffer).clamp(-1.0, 0.0) if buffer else torch.zeros_like(lengths)
 
 
 def filter_groups(correct: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -282,6 +286,8 @@ def compute_loss(
         metrics = {  # tensors: the caller syncs them with the device once per step
             "loss/policy": (pg_losses * response_mask).sum() / n,
             "policy/clipfrac": (clipped.float() * response_mask).sum() / n,
+            "policy/clipfrac_low": ((ratio < 1 - clip_eps_low).float() * response_mask).sum() / n,
+            "policy/clipfrac_high": ((ratio > 1 + clip_eps_high).float() * response_mask).sum() / n,
             "policy/approx_kl": (((ratio - 1) - torch.log(ratio)) * response_mask).sum() / n,
         }
     return loss, metrics
@@ -300,9 +306,9 @@ def main(args: Args) -> None:
     require(args.clip_eps_high > 0, "--clip-eps-high", args.clip_eps_high, "> 0")
     require(args.std_eps >= 0, "--std-eps", args.std_eps, ">= 0")
     require(args.max_gen_rounds >= 1, "--max-gen-rounds", args.max_gen_rounds, ">= 1")
-    if not 0 < args.overlong_buffer <= args.max_new_tokens:
-        raise UsageError(f"--overlong-buffer {args.overlong_buffer} must be between 1 and --max-new-tokens "
-                         f"({args.max_new_tokens}): the penalty ramps over the last --overlong-buffer tokens.")
+    if not 0 <= args.overlong_buffer <= args.max_new_tokens:
+        raise UsageError(f"--overlong-buffer {args.overlong_buffer} must be between 0 and --max-new-tokens "
+                         f"({args.max_new_tokens}): the penalty ramps over the last N tokens (0: none).")
     # ---
     rank, args.world_size, device = setup_distributed(args.dist_timeout)
     run_info = {"algorithm": Path(__file__).name, "config": asdict(args)}  # recorded in every checkpoint

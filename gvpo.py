@@ -28,6 +28,15 @@ Differences from grpo.py:
 - Aggregation: per group, 1/(k-1) sum over its completions of whole-sequence terms, mean over groups;
   micro-batches and minibatches hold whole groups (sizes must be multiples of --group-size).
 - --reuse-steps K: train on the fresh groups plus those of the previous K steps (default 0).
+- --demos-per-group k: mixed data, k of each group's G completions the example's worked completion (default 0).
+
+Why replayed groups and demonstrations need no importance weight (the paper's §3.3): with
+R_theta(x, y) = beta log(pi_theta(y|x) / pi_theta'(y|x)), the loss estimates, for completions y drawn
+from any sampling distribution pi_s,
+    E_x E_{y ~ pi_s} [ ((R_theta(x,y) - E_{pi_s} R_theta) - (R(x,y) - E_{pi_s} R))^2 ],
+which is 0 only where R_theta - R is constant in y on pi_s's support: at pi_theta ~ pi_theta' exp(R / beta),
+whatever pi_s is, as long as its support is full (a softmax policy's is). A group of samples of an older
+policy, or of samples and demonstrations (pi_s a mixture), has the same minimiser as an on-policy one.
 
 Run:
     python gvpo.py                                          # offline default: tiny model, a+b task, CPU
@@ -47,7 +56,6 @@ import tyro
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import (
-    DEFAULT_MODEL,
     Logger,
     UsageError,
     VllmEngine,
@@ -63,6 +71,7 @@ from common import (
     format_prompt,
     generate,
     get_logprobs,
+    given_rollout,
     load_checkpoint,
     load_model,
     load_task,
@@ -79,6 +88,7 @@ from common import (
     sampler_logprob_gap,
     save_checkpoint,
     score,
+    select_rows,
     setup_distributed,
     shard_model,
     step_metrics,
@@ -113,13 +123,16 @@ class ExperimentFlags:
 
 @dataclass
 class ModelAndDataFlags:
-    model: str = DEFAULT_MODEL
-    """Hugging Face model name or local folder"""
+    model: Optional[str] = None
+    """Hugging Face model name or local folder; left out: the bundled tiny model of --task"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """weights dtype; auto = float32 on CPU, bfloat16 on GPU (log-probs are always computed in float32)"""
     dataset: Optional[str] = None
     """training data: a JSONL file, a Hugging Face dataset name, or a JSON/Parquet/CSV file or dataset folder
-    (needs `pip install datasets`); left out: the built-in a+b task"""
+    (needs `pip install datasets`); left out: the built-in --task"""
+    task: Optional[Literal["add", "chain"]] = None
+    """built-in task, without --dataset: add (a+b, answered with the digits) or chain (sums of 2-6 numbers,
+    partial sums then '#### total': the lab, docs/lab.md); left out: add"""
     dataset_config: Optional[str] = None
     """configuration of --dataset (e.g. 'main' for openai/gsm8k)"""
     split: str = "train"
@@ -153,8 +166,9 @@ class RolloutFlags:
     max_prompt_length: Optional[int] = None
     """drop prompts longer than this many tokens after the chat template; left out: only those that leave
     no room for --max-new-tokens in the model's positions are dropped"""
-    max_new_tokens: int = 8
-    """generation limit per completion; a completion that reaches it without EOS is 'truncated'"""
+    max_new_tokens: Optional[int] = None
+    """generation limit per completion; a completion that reaches it without EOS is 'truncated'; left out:
+    64 for --task chain, else 8"""
     temperature: float = 1.0
     """sampling temperature; log-probs divide the logits by it too"""
     vllm: bool = False
@@ -207,6 +221,9 @@ class AlgorithmFlags:
     reuse_steps: int = 0
     """also train on the groups sampled in the previous K steps (0: on-policy only); pair it with
     --updates-per-rollout 1, so that each group is trained in as many passes as on-policy (docs/gvpo.md)"""
+    demos_per_group: int = 0
+    """mixed data: k of each group's G completions are the example's worked completion (--task chain's
+    scratchpad; on a --dataset, its answer), not sampled: graded and trained as the others (docs/gvpo.md)"""
 
 
 @dataclass
@@ -276,6 +293,8 @@ def main(args: Args) -> None:
     require(args.group_size >= 2, "--group-size", args.group_size, ">= 2 (a group advantage needs 2 completions)")
     require(args.beta > 0, "--beta", args.beta, "> 0 (the implicit reward is beta times the log-ratio)")
     require(args.reuse_steps >= 0, "--reuse-steps", args.reuse_steps, ">= 0")
+    require(0 <= args.demos_per_group < args.group_size, "--demos-per-group", args.demos_per_group,
+            f"in [0, --group-size {args.group_size}) (each group samples at least one completion)")
     exact_div(args.minibatch_size, args.group_size, "--num-minibatches must split the sequences per rank into "
               "whole groups (a multiple of --group-size)")
     exact_div(args.micro_batch_size, args.group_size, "--micro-batch-size must be a multiple of --group-size: "
@@ -323,9 +342,16 @@ def main(args: Args) -> None:
         # --- algorithm: 1-3. one group of G completions for each of the step's prompts, scored ---
         batch = prompt_batch(train_set, step, args.prompts_per_step, rank, args.world_size, args.seed)  # this rank's
         prompts = [format_prompt(tokenizer, e["prompt"], args.chat_template) for e in batch]
+        sampled, k = args.group_size - args.demos_per_group, args.demos_per_group
         with timed(times, "gen"):  # stored contiguously by group: rows j*G .. j*G+G-1
-            rollout = generate(policy, tokenizer, prompts, args.group_size, args.max_new_tokens, args.temperature,
-                               vllm=vllm)
+            rollout = generate(policy, tokenizer, prompts, sampled, args.max_new_tokens, args.temperature, vllm=vllm)
+        if k:  # mixed data: each group's last k rows are the example's worked completion, not sampled
+            demos = given_rollout(tokenizer, [p for p in prompts for _ in range(k)],
+                                  [e.get("demo", e["answer"]) for e in batch for _ in range(k)], args.max_new_tokens,
+                                  device)
+            j = torch.arange(len(batch))[:, None]  # group j: its sampled rows, then its demonstrations
+            rows = torch.cat([j * sampled + torch.arange(sampled), len(batch) * sampled + j * k + torch.arange(k)], 1)
+            rollout = select_rows(cat_rollouts([rollout, demos], tokenizer.pad_token_id), rows.view(-1))
         rewards, components = score(batch, rollout.texts, args.group_size, exact, args.format_weight, reward_fn,
                                     args.reward_fn)
 
@@ -334,6 +360,7 @@ def main(args: Args) -> None:
         b_rewards = torch.cat([rewards] + [r for _, r in state["replay"]])
         state["replay"] = [(rollout, rewards)] + state["replay"][: args.reuse_steps - 1] if args.reuse_steps else []
         b_advantages = compute_advantages(b_rewards, args.group_size).to(device)  # (B,)
+        b_is_demo = torch.arange(len(b_rewards), device=device) % args.group_size >= sampled  # (B,) the same rows
         # The old log-probs below are the anchor: the policy at the start of the step, for every group, replayed
         # ones included, so a_i always measures the move away from the current anchor.
         # ---
@@ -372,6 +399,9 @@ def main(args: Args) -> None:
                         # The rollout correction: each token's loss weighted by pi_old / pi_sampler (None: off)
                         weights = rollout_weights(b_old_logprobs[idx], b_rollout.sampler_logprobs[idx],
                                                   args.rollout_correction, args.correction_cap)
+                        # --- algorithm: no sampler drew the demonstrations: nothing to correct (weight 1) ---
+                        weights = None if weights is None else torch.where(b_is_demo[idx, None], 1.0, weights)
+                        # ---
                         logprobs = reweighted(logprobs, weights)
                         # --- algorithm: the GVPO loss ---
                         loss, mb_metrics = compute_loss(
@@ -389,9 +419,13 @@ def main(args: Args) -> None:
 
         # --- algorithm: the sampler guard, on the completions this policy sampled ---
         # Were they drawn from the distribution the loss assumes? (the gap is ~1e-6 in fp32)
-        # Only the fresh groups (the first rows): the replayed ones were sampled by older policies.
+        # Only the fresh groups' sampled rows: the replayed ones were sampled by older policies, the demonstrations
+        # by none. The step's metrics below describe those rows too.
         n, L = rollout.response_mask.shape
-        metrics.update(sampler_logprob_gap(rollout.sampler_logprobs, b_old_logprobs[:n, :L], rollout.response_mask,
+        rows = (~b_is_demo[:n]).nonzero().squeeze(-1)
+        rollout, rewards = select_rows(rollout, rows), rewards[rows.cpu()]
+        components = {name: value[rows.cpu()] for name, value in components.items()}
+        metrics.update(sampler_logprob_gap(rollout.sampler_logprobs, b_old_logprobs[rows, :L], rollout.response_mask,
                                            args.rollout_correction, args.correction_cap))
         # ---
 

@@ -43,7 +43,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoModel, AutoModelForSequenceClassification
 
 from common import (
-    DEFAULT_MODEL,
     Logger,
     UsageError,
     VllmEngine,
@@ -111,13 +110,16 @@ class ExperimentFlags:
 
 @dataclass
 class ModelAndDataFlags:
-    model: str = DEFAULT_MODEL
-    """Hugging Face model name or local folder"""
+    model: Optional[str] = None
+    """Hugging Face model name or local folder; left out: the bundled tiny model of --task"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """weights dtype; auto = float32 on CPU, bfloat16 on GPU (log-probs are always computed in float32)"""
     dataset: Optional[str] = None
     """training data: a JSONL file, a Hugging Face dataset name, or a JSON/Parquet/CSV file or dataset folder
-    (needs `pip install datasets`); left out: the built-in a+b task"""
+    (needs `pip install datasets`); left out: the built-in --task"""
+    task: Optional[Literal["add", "chain"]] = None
+    """built-in task, without --dataset: add (a+b, answered with the digits) or chain (sums of 2-6 numbers,
+    partial sums then '#### total': the lab, docs/lab.md); left out: add"""
     dataset_config: Optional[str] = None
     """configuration of --dataset (e.g. 'main' for openai/gsm8k)"""
     split: str = "train"
@@ -151,8 +153,9 @@ class RolloutFlags:
     max_prompt_length: Optional[int] = None
     """drop prompts longer than this many tokens after the chat template; left out: only those that leave
     no room for --max-new-tokens in the model's positions are dropped"""
-    max_new_tokens: int = 8
-    """generation limit per completion; a completion that reaches it without EOS is 'truncated'"""
+    max_new_tokens: Optional[int] = None
+    """generation limit per completion; a completion that reaches it without EOS is 'truncated'; left out:
+    64 for --task chain, else 8"""
     temperature: float = 1.0
     """sampling temperature; log-probs divide the logits by it too"""
     vllm: bool = False
@@ -406,6 +409,8 @@ def compute_loss(
             "loss/policy": (pg_losses * response_mask).sum() / n,
             "loss/value": vf_loss * num_tokens / n,
             "policy/clipfrac": (clipped.float() * response_mask).sum() / n,
+            "policy/clipfrac_low": ((ratio < 1 - clip_eps).float() * response_mask).sum() / n,  # below 1 - eps
+            "policy/clipfrac_high": ((ratio > 1 + clip_eps).float() * response_mask).sum() / n,  # above 1 + eps
             "policy/approx_kl": (((ratio - 1) - torch.log(ratio)) * response_mask).sum() / n,
             "algo/value_clipfrac": vf_clipfrac,
         }

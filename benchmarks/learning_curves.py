@@ -1,21 +1,24 @@
-"""Learning curves of every algorithm file on the offline default, several seeds each, side by side:
+"""Learning curves of every algorithm file on a built-in task, several seeds each, side by side:
 one CSV, a PNG of the curves (mean and min-max over seeds) and a table of how fast each file
-reaches a target held-out accuracy.
+reaches a target held-out accuracy; on the chain task also the table of the lab (docs/lab.md).
 
     python -m benchmarks.learning_curves                        # from the repo root: 8 files x seeds 1 2 3 x 200 steps
+    python -m benchmarks.learning_curves --task chain           # the lab: 8 files and 4 variants x 3 seeds x 60 steps
     python -m benchmarks.learning_curves --configs grpo "gvpo --reuse-steps 1" --seeds 1 2
     python -m benchmarks.learning_curves --from-csv             # table and plot of --out only, no training
 
 Every run is `python <file>.py --seed S --num-steps N --eval-every E` with the files' shared defaults
-(32 prompts x 8 completions per step, 2 updates per rollout, learning rate 2e-4): the same rollout
-budget per step for every file, except that DAPO's dynamic sampling draws extra rounds of prompts
-to replace the groups it drops, which the `completions` column counts.
+(32 prompts x 8 completions per step, 2 updates per rollout, learning rate 2e-4; on the chain task
+`--task chain --prompts-per-step 16`): the same rollout budget per step for every file, except that
+DAPO's dynamic sampling draws extra rounds of prompts to replace the groups it drops, which the
+`completions` column counts (gvpo's `--demos-per-group` k: G - k sampled per group).
 
 CSV columns, one row per (config, seed, step): `step` = training steps done; `wall_s` = their
 training time (the sum of `perf/step_s` without evaluation); `completions` = completions sampled
 by them; `eval_accuracy`, `eval_accuracy_greedy` = held-out accuracy of the policy after `step`
 steps (500 prompts, one sample at T=1 / greedy; empty between evaluations); `reward_mean`,
-`response_length` = of the rollout sampled at that step (empty at the last row). Each finished run
+`response_length` and the rest (see `ROLLOUT`: the metrics of docs/metrics.md) = of the rollout
+sampled at that step (empty at the last row, and where the file logs no such key). Each finished run
 is appended at once, and runs already in the CSV are skipped, so an interrupted benchmark goes on
 where it stopped. Plotting needs matplotlib (`pip install -r benchmarks/requirements.txt`);
 without it the CSV and the table are still written.
@@ -32,13 +35,25 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, Optional
 
 import tyro
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ["grpo", "dapo", "cispo", "gvpo", "ppo", "drgrpo", "gspo", "rloo"]
-COLUMNS = ["config", "seed", "step", "wall_s", "completions", "eval_accuracy", "eval_accuracy_greedy",
-           "reward_mean", "response_length"]
+# The lab's variants (docs/lab.md): DAPO without clip-higher and without overlong shaping, GVPO off-policy
+LAB_CONFIGS = ["dapo --clip-eps-high 0.2", "dapo --overlong-buffer 0", "gvpo --reuse-steps 1 --updates-per-rollout 1",
+               "gvpo --demos-per-group 2"]
+# steps, target held-out accuracy, flags (the chain task starts at ~0.27: 0.4 is ~5 evaluation standard errors above)
+TASKS = {"add": (200, 0.7, []), "chain": (60, 0.4, ["--task", "chain", "--prompts-per-step", "16"])}
+ROLLOUT = {"reward_mean": "reward/mean", "response_length": "response/length_mean",  # column: metric of the rollout
+           "length_correct": "response/length_correct", "length_wrong": "response/length_wrong",
+           "truncated_frac": "response/truncated_frac", "entropy": "policy/entropy",
+           "clipfrac_low": "policy/clipfrac_low", "clipfrac_high": "policy/clipfrac_high",
+           "self_correction_frac": "task/self_correction_frac",
+           "self_correction_accuracy": "task/self_correction_accuracy", "kept_groups_frac": "algo/kept_groups_frac",
+           "explained_variance": "algo/explained_variance", "step_s": "perf/step_s"}
+COLUMNS = ["config", "seed", "step", "wall_s", "completions", "eval_accuracy", "eval_accuracy_greedy", *ROLLOUT]
 
 
 def run(config: str, seed: int, steps: int, eval_every: int, extra: list[str], out: Path) -> list[dict]:
@@ -52,7 +67,8 @@ def run(config: str, seed: int, steps: int, eval_every: int, extra: list[str], o
         raise SystemExit(f"{shlex.join(cmd)} failed:\n{result.stderr[-3000:]}")
     run_config = json.loads((out / name / "config.json").read_text())
     metrics = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
-    return to_rows(config, seed, metrics, run_config["prompts_per_step"] * run_config["group_size"])
+    sampled = run_config["group_size"] - run_config.get("demos_per_group", 0)
+    return to_rows(config, seed, metrics, run_config["prompts_per_step"] * sampled)
 
 
 def to_rows(config: str, seed: int, metrics: list[dict], completions_per_round: int) -> list[dict]:
@@ -62,8 +78,8 @@ def to_rows(config: str, seed: int, metrics: list[dict], completions_per_round: 
     for m in metrics:
         rows.append({"config": config, "seed": seed, "step": m["step"], "wall_s": round(wall, 3),
                      "completions": completions, "eval_accuracy": m.get("eval/accuracy"),
-                     "eval_accuracy_greedy": m.get("eval/accuracy_greedy"), "reward_mean": m.get("reward/mean"),
-                     "response_length": m.get("response/length_mean")})
+                     "eval_accuracy_greedy": m.get("eval/accuracy_greedy"),
+                     **{column: m.get(key) for column, key in ROLLOUT.items()}})
         if "perf/step_s" in m:  # a training step (the final evaluation line has none)
             wall += m["perf/step_s"] - m.get("perf/eval_s", 0.0)
             completions += completions_per_round * round(m.get("algo/gen_rounds", 1))
@@ -76,17 +92,18 @@ def read_csv(path: Path) -> list[dict]:
             return value
         if value == "":
             return None
-        return int(value) if key in ("seed", "step", "completions") else float(value)
+        return int(value) if key in ("seed", "step", "completions") else float(value)  # 'nan' too
 
     with open(path, newline="") as f:
         return [{k: parse(k, v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
 def append_csv(path: Path, rows: list[dict]) -> None:
-    new = not path.exists()
+    """Rows appended under the file's header (one written before a column was added keeps its columns)."""
+    columns = next(csv.reader(open(path))) if path.exists() else COLUMNS
     with open(path, "a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        if new:
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        if not path.stat().st_size:
             writer.writeheader()
         writer.writerows({k: "" if v is None else v for k, v in row.items()} for row in rows)
 
@@ -95,7 +112,7 @@ def curves(rows: list[dict], key: str) -> dict[str, dict[int, list[dict]]]:
     """config -> seed -> the rows that carry `key`, in step order."""
     out: dict[str, dict[int, list[dict]]] = {}
     for row in rows:
-        if row[key] is not None:
+        if row.get(key) is not None:
             out.setdefault(row["config"], {}).setdefault(row["seed"], []).append(row)
     return {c: {s: sorted(r, key=lambda row: row["step"]) for s, r in seeds.items()} for c, seeds in out.items()}
 
@@ -140,9 +157,15 @@ def format_table(table: list[dict], target: float) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path, title: str) -> bool:
-    """Three panels: sampled and greedy held-out accuracy against steps, and sampled accuracy against
-    completions sampled; a line per config (mean over seeds) in its min-max band."""
+PANELS = [("step", "eval_accuracy", "held-out accuracy (sampled, T=1)"), ("step", "eval_accuracy_greedy",
+          "held-out accuracy (greedy)"), ("completions", "eval_accuracy", "held-out accuracy (sampled, T=1)")]
+LAB = ["entropy", "length_correct", "length_wrong", "truncated_frac", "clipfrac_low", "clipfrac_high",
+       "self_correction_frac", "self_correction_accuracy", "kept_groups_frac", "explained_variance", "step_s"]
+
+
+def plot(rows: list[dict], path: Path, title: str, panels: list[tuple[str, str, str]]) -> bool:
+    """A panel per (x, y, label): a line per config (mean over seeds, at the steps every seed has) in its
+    min-max band."""
     try:
         import matplotlib
 
@@ -150,41 +173,65 @@ def plot(rows: list[dict], path: Path, title: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    panels = [("step", "eval_accuracy", "held-out accuracy (sampled, T=1)"),
-              ("step", "eval_accuracy_greedy", "held-out accuracy (greedy)"),
-              ("completions", "eval_accuracy", "held-out accuracy (sampled, T=1)")]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for ax, (x_key, y_key, y_label) in zip(axes, panels):
+    columns = min(len(panels), 4)
+    rows_of_panels = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows_of_panels, columns, figsize=(4.5 * columns, 4 * rows_of_panels), squeeze=False)
+    for ax, (x_key, y_key, y_label) in zip(axes.flat, panels):
         for k, (config, seeds) in enumerate(curves(rows, y_key).items()):
-            runs = list(seeds.values())
-            n = min(len(r) for r in runs)  # evaluations every seed has
-            x = [statistics.mean(r[i][x_key] for r in runs) for i in range(n)]  # completions differ by seed
-            ys = [[r[i][y_key] for r in runs] for i in range(n)]
+            runs = [{row["step"]: row for row in run} for run in seeds.values()]
+            steps = sorted(set.intersection(*(set(run) for run in runs)))
+            x = [statistics.mean(run[s][x_key] for run in runs) for s in steps]  # completions differ by seed
+            ys = [[run[s][y_key] for run in runs] for s in steps]
             line, = ax.plot(x, [statistics.mean(y) for y in ys], label=f"{config} ({len(runs)} seeds)",
                             linestyle="-" if k < 10 else "--")  # the colour cycle has 10 colours
             ax.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.15)
         ax.set_xlabel({"step": "training step", "completions": "completions sampled"}[x_key])
         ax.set_ylabel(y_label)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
 
 
+def lab_table(rows: list[dict], window: int = 10) -> str:
+    """Per config, each rollout metric of `LAB`: its mean over the first and over the last `window` steps of
+    each seed, as 'first -> last', each the mean over seeds [min, max]."""
+    def spread(values: list[float]) -> str:
+        return f"{statistics.mean(values):.3g} [{min(values):.3g}, {max(values):.3g}]"
+
+    lines = [f"| config | {' | '.join(LAB)} |", "|---" * (len(LAB) + 1) + "|"]
+    for config, seeds in curves(rows, "step").items():
+        cells = []
+        for key in LAB:
+            values = [[row[key] for row in run if row.get(key) is not None] for run in seeds.values()]
+            cells.append("-" if not all(values) else
+                         f"{spread([statistics.mean(v[:window]) for v in values])} → "
+                         f"{spread([statistics.mean(v[-window:]) for v in values])}")
+        lines.append(f"| {config} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
 @dataclass
 class Args:
-    configs: tuple[str, ...] = tuple(CONFIGS)
-    """algorithm files, each optionally with its own flags, e.g. grpo "gvpo --reuse-steps 1" """
+    task: Literal["add", "chain"] = "add"
+    """the built-in task: add (the offline default) or chain (the lab, docs/lab.md)"""
+    configs: Optional[tuple[str, ...]] = None
+    """algorithm files, each optionally with its own flags, e.g. grpo "gvpo --reuse-steps 1"; left out: the 8
+    files (and on the chain task the lab's variants, LAB_CONFIGS)"""
     seeds: tuple[int, ...] = (1, 2, 3)
-    steps: int = 200
+    steps: Optional[int] = None
+    """training steps of each run; left out: 200 for add, 60 for chain"""
     eval_every: int = 20
-    target: float = 0.7
-    """held-out sampled accuracy for the table"""
-    out: Path = ROOT / "benchmarks" / "results" / "learning_curves.csv"
-    """the CSV (one --steps budget per file); the PNG is written next to it"""
+    target: Optional[float] = None
+    """held-out sampled accuracy for the table; left out: 0.7 for add, 0.4 for chain"""
+    out: Optional[Path] = None
+    """the CSV (one --steps budget per file); the PNG is written next to it; left out:
+    benchmarks/results/learning_curves.csv (add), learning_curves_chain.csv (chain)"""
     from_csv: bool = False
     """no training: the table and the plot from --out"""
     extra: str = ""
@@ -192,7 +239,12 @@ class Args:
 
 
 def main(args: Args) -> None:
-    extra = shlex.split(args.extra)
+    steps, target, task_flags = TASKS[args.task]
+    args.steps, args.target = args.steps or steps, args.target or target
+    args.configs = args.configs or tuple(CONFIGS + (LAB_CONFIGS if args.task == "chain" else []))
+    args.out = args.out or ROOT / "benchmarks" / "results" / \
+        ("learning_curves.csv" if args.task == "add" else f"learning_curves_{args.task}.csv")
+    extra = task_flags + shlex.split(args.extra)
     for config in args.configs:
         if not (ROOT / f"{shlex.split(config)[0]}.py").exists():
             raise SystemExit(f"error: --configs: no file {shlex.split(config)[0]}.py "
@@ -205,6 +257,7 @@ def main(args: Args) -> None:
         # seed-major: every config has a seed early, should the benchmark be stopped half way
         todo = [(c, s) for s in args.seeds for c in args.configs if (c, s) not in done]
         print(f"{len(todo)} runs of {args.steps} steps to do ({len(done)} already in {args.out})", flush=True)
+        start_all = time.perf_counter()
         with tempfile.TemporaryDirectory() as tmp:
             for i, (config, seed) in enumerate(todo, 1):
                 start = time.perf_counter()
@@ -214,15 +267,21 @@ def main(args: Args) -> None:
                 print(f"[{i}/{len(todo)}] {config} seed {seed}: held-out {new[0]['eval_accuracy']:.3f} -> "
                       f"{final['eval_accuracy']:.3f} (greedy {final['eval_accuracy_greedy']:.3f}), "
                       f"{time.perf_counter() - start:.0f} s", flush=True)
+        print(f"{len(todo)} runs in {(time.perf_counter() - start_all) / 60:.1f} minutes")
 
     if not args.out.exists():
         raise SystemExit(f"--from-csv: {args.out} does not exist; run without --from-csv first")
     rows = [r for r in read_csv(args.out) if r["config"] in args.configs and r["seed"] in args.seeds]
     print(format_table(summarize(rows, args.target), args.target))
+    panels = PANELS
+    if args.task == "chain":
+        print(f"\nEach rollout metric over the first and the last 10 steps (mean over seeds [min, max]):\n"
+              f"{lab_table(rows)}")
+        panels = PANELS + [("step", key, key.replace("_", " ")) for key in LAB]
     png = args.out.with_suffix(".png")
-    title = (f"{', '.join(args.configs)} on the offline default, seeds {' '.join(map(str, args.seeds))}; "
+    title = (f"{', '.join(args.configs)} on the {args.task} task, seeds {' '.join(map(str, args.seeds))}; "
              f"mean and min-max over seeds; plotted {time.strftime('%Y-%m-%d')}")
-    if plot(rows, png, title):
+    if plot(rows, png, title, panels):
         print(f"plot: {png}")
     else:
         print("no plot: matplotlib is not installed (pip install -r benchmarks/requirements.txt)")

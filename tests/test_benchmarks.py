@@ -2,6 +2,7 @@
 measured by running the scripts, not asserted here."""
 
 import json
+import re
 
 import pytest
 
@@ -73,6 +74,44 @@ def test_learning_curves_summary_counts_steps_to_target():
     assert t["wall_to_target"] == format((2 * 1.5 + 3 * 1.5) / 2, ".0f")  # evaluation time left out
     assert t["completions_to_target"] == format((2 * 20 + 3 * 20) / 2, ".0f")  # 2 rounds of 10 per step
     assert t["final"] == "0.750 ± 0.071"
+
+
+def test_learning_curves_on_the_chain_task_write_the_lab_columns_and_table(tmp_path):
+    """--task chain: the lab's metrics as columns, gvpo's demonstrations not counted as sampled, and the
+    table of each rollout metric's first and last steps."""
+    out = tmp_path / "lab.csv"
+    result = run(["-m", "benchmarks.learning_curves", "--task", "chain", "--configs", "grpo",
+                  "gvpo --demos-per-group 1", "--seeds", "1", "--steps", "2", "--eval-every", "2", "--out", str(out),
+                  "--extra=--eval-size 8 --prompts-per-step 2 --group-size 4"], cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    from benchmarks.learning_curves import read_csv
+
+    rows = read_csv(out)
+    assert [r["completions"] for r in rows] == [0, 8, 16, 0, 6, 12]  # 2 prompts x (4 - 1 demonstration)
+    assert rows[0]["length_wrong"] is not None and rows[0]["clipfrac_high"] is not None
+    assert rows[3]["clipfrac_high"] is None and rows[3]["entropy"] is not None  # gvpo clips nothing
+    assert re.search(r"^\| grpo \| [\d.]+ \[[\d.]+, [\d.]+\] → ", result.stdout, re.M)
+
+
+def test_lab_table_gives_first_and_last_steps_over_seeds():
+    from benchmarks.learning_curves import LAB, lab_table
+
+    rows = [{"config": "x", "seed": seed, "step": step, "entropy": entropy}
+            for seed, values in ((1, [1.0, 2.0, 3.0, 4.0]), (2, [3.0, 4.0, 5.0, 8.0]))
+            for step, entropy in enumerate(values)]
+    line = lab_table(rows, window=2).splitlines()[2].removesuffix(" |").split(" | ")
+    assert line[1 + LAB.index("entropy")] == "2.5 [1.5, 3.5] → 5 [3.5, 6.5]"  # seeds' means of steps 0-1 / 2-3
+    assert line[1 + LAB.index("step_s")] == "-"
+
+
+def test_rows_appended_to_an_older_csv_keep_its_columns(tmp_path):
+    from benchmarks.learning_curves import append_csv, read_csv
+
+    out = tmp_path / "old.csv"
+    out.write_text("config,seed,step,eval_accuracy\ngrpo,1,0,0.5\n")
+    append_csv(out, [{"config": "dapo", "seed": 1, "step": 0, "eval_accuracy": 0.25, "entropy": 0.1}])
+    assert read_csv(out) == [{"config": "grpo", "seed": 1, "step": 0, "eval_accuracy": 0.5},
+                             {"config": "dapo", "seed": 1, "step": 0, "eval_accuracy": 0.25}]
 
 
 def test_gpu_check_runs_at_a_tiny_shape_on_cpu(tmp_path):

@@ -43,7 +43,7 @@ def test_the_weight_carries_no_gradient():
     assert coefficients(ratio, adv).item() == pytest.approx(-1.1 * 2.0, abs=1e-6)
     _, metrics = cispo.compute_loss(torch.log(ratio).view(1, 1), torch.zeros(1, 1), adv, torch.ones(1, 1), 1,
                                     is_eps_high=0.05)
-    assert metrics["algo/is_weight_clipfrac"] == 1.0 and metrics["algo/is_weight_mean"] == pytest.approx(1.05)
+    assert metrics["policy/clipfrac"] == 1.0 and metrics["algo/is_weight_mean"] == pytest.approx(1.05)
 
 
 def test_unified_form_with_ppo_mask_reproduces_the_clipped_surrogate_gradient():

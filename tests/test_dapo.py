@@ -25,6 +25,7 @@ def test_overlong_penalty_on_the_default_lengths():
     # --max-new-tokens 8, --overlong-buffer 4: free up to 4 tokens (a 3-digit sum and EOS), then -1/4 a token.
     lengths = torch.arange(1.0, 9.0)
     assert dapo.overlong_penalty(lengths, 8, 4).tolist() == [0, 0, 0, 0, -0.25, -0.5, -0.75, -1.0]
+    assert dapo.overlong_penalty(lengths, 8, 0).tolist() == [0] * 8  # --overlong-buffer 0: no shaping
 
 
 def test_filter_groups_uses_correctness():
@@ -138,8 +139,8 @@ def test_two_ranks_keeping_different_numbers_of_groups_do_not_hang(tmp_path):
     assert read_metrics(tmp_path / "ranks")[0]["algo/gen_rounds"] >= 2
 
 
-@pytest.mark.parametrize("buffer", [0, 9])
+@pytest.mark.parametrize("buffer", [-1, 9])
 def test_bad_overlong_buffer(tmp_path, buffer):
-    with pytest.raises(UsageError, match=f"--overlong-buffer {buffer} must be between 1 and --max-new-tokens"):
+    with pytest.raises(UsageError, match=f"--overlong-buffer {buffer} must be between 0 and --max-new-tokens"):
         dapo.main(dapo.Args(overlong_buffer=buffer, output_dir=str(tmp_path)))
     assert not list(tmp_path.iterdir())
