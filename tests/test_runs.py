@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 import grpo
-from common import UsageError
+from common import DEFAULT_MODEL, UsageError
 from conftest import ALGORITHMS, read_metrics, run
 
 pytestmark = pytest.mark.slow  # whole runs in subprocesses and the learning runs: `-m 'not slow'` skips them
@@ -60,7 +60,7 @@ def test_fsdp_two_ranks_smoke(tmp_path):
     assert [m["step"] for m in metrics] == [0, 1, 2] and 0 < metrics[-1]["eval/accuracy"] < 1
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp" / "final")
     assert model.config.architectures == ["Qwen3ForCausalLM"]
-    initial = load_file(Path(grpo.DEFAULT_MODEL) / "model.safetensors")
+    initial = load_file(Path(DEFAULT_MODEL) / "model.safetensors")
     assert max_relative_difference(initial, load_file(tmp_path / "fsdp" / "final" / "model.safetensors")) > 1e-4
 
 
@@ -81,7 +81,7 @@ def test_ranks_share_prompts_only_all_together(tmp_path):
     those of one process running every row whole."""
     from shared_prompts_ranks import PROMPTS, rows
 
-    from common import DEFAULT_MODEL, get_logprobs, load_model, load_tokenizer
+    from common import get_logprobs, load_model, load_tokenizer
 
     result = run(["tests/shared_prompts_ranks.py"], cwd=tmp_path, torchrun=2, timeout=600)
     assert result.returncode == 0, result.stderr
@@ -155,7 +155,7 @@ def test_two_ranks_and_micro_batches_give_the_same_update(tmp_path, mixed_datase
     2 FSDP ranks of 2 micro-batches (relative difference <= 1e-5), and the same gradient norm (which
     Adam's scale invariance would hide: a normaliser off by a constant factor changes the gradient norm,
     not Adam's step)."""
-    initial = load_file(Path(grpo.DEFAULT_MODEL) / "model.safetensors")
+    initial = load_file(Path(DEFAULT_MODEL) / "model.safetensors")
     base, base_m = one_step(tmp_path, algo, "one", mixed_dataset, ["--micro-batch-size", "32"])
     assert max_relative_difference(initial, base) > 1e-3  # the step really moved the weights
     assert base_m.get("algo/kept_groups_frac", 1.0) == 1.0  # every group of the batch is trained on
