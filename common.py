@@ -5,9 +5,9 @@ algorithm's equations: advantages, ratios, clipping, KL and loss aggregation liv
 2. Distributed: `setup_distributed`, `cleanup_distributed`, `print0`, `all_reduce`, `no_sync`
 3. Models: `load_tokenizer`, `load_model` (any Hugging Face causal LM, dropout off), `add_lora` (peft),
    `load_reference` (a frozen copy, or the policy with its adapters off), `shard_model` (FSDP2)
-4. Data: `load_task` (built-in a+b task, JSONL, `datasets`; prompts that fit), `format_prompt`, `prompt_batch`
+4. Data: `load_task` (built-in tasks, JSONL, `datasets`; prompts that fit), `format_prompt`, `prompt_batch`
 5. Rewards and evaluation: `score` (correctness, exact or by math-verify; format; a user's function), `evaluate`
-6. Generation and log-probs: `Rollout`, `generate` (`model.generate`, or `VllmEngine`), `get_logprobs`,
+6. Generation and log-probs: `Rollout`, `generate` (`model.generate`, or `VllmEngine`), `given_rollout`, `get_logprobs`,
    `sampler_logprob_gap`, `rollout_weights` and `reweighted` (the rollout correction)
 7. Metrics and logging: `Logger` (stdout, metrics.jsonl, TensorBoard, W&B), `step_metrics`
 8. Run folder: `prepare_run_dir`, `claim_run_dir`, `resume_hint` (the rules: docs/checkpoints.md)
@@ -525,8 +525,9 @@ def load_data(dataset: str | None, eval_dataset: str | None, eval_size: int, dat
 
 def load_task(args) -> tuple:
     """(tokenizer, train, held_out, exact, reward_fn), checked before any model loads, so that bad input fails
-    fast: `load_data`'s examples whose prompts fit the model (`fit_prompts`); `exact`: the built-in task's
-    answers are compared as whole strings; the --reward-fn function, tried on two examples, or None."""
+    fast: `load_data`'s examples whose prompts fit the model (`fit_prompts`); `exact`: a built-in task's
+    answers are compared as strings (`correctness_reward`); the --reward-fn function, tried on two examples,
+    or None."""
     train, held_out = load_data(args.dataset, args.eval_dataset, args.eval_size, args.dataset_config, args.split,
                                 args.eval_split, args.task or "add", prompt_field=args.prompt_field,
                                 answer_field=args.answer_field)
@@ -632,17 +633,18 @@ def math_reward(completion: str, answer: str) -> bool:
 
 
 def correctness_reward(completions: list[str], answers: list[str], exact: bool) -> torch.Tensor:
-    """1.0 where the completion is right: the whole text equals the answer (`exact`, the built-in task), or
-    it states the gold answer (`math_reward`, real data)."""
+    """1.0 where the completion is right: its text after the last '####' (the whole text when it has none)
+    equals the answer (`exact`, the built-in tasks), or it states the gold answer (`math_reward`, real data)."""
     right = [c.rsplit("####", 1)[-1].strip() == a.strip() if exact else math_reward(c, a)
              for c, a in zip(completions, answers)]
     return torch.tensor(right, dtype=torch.float32)
 
 
 def format_reward(completions: list[str], exact: bool) -> torch.Tensor:
-    """1.0 where the answer is given in the expected form: a bare number (built-in) or \\boxed{} / ####."""
-    return torch.tensor([re.fullmatch(r"\s*-?\d+\s*", c) is not None if exact else "\\boxed{" in c or "####" in c
-                         for c in completions], dtype=torch.float32)
+    """1.0 where the answer is given in the expected form: a bare number after the last '####' or alone
+    (built-in tasks), or \\boxed{} / #### (real data)."""
+    return torch.tensor([re.fullmatch(r"\s*-?\d+\s*", c.rsplit("####", 1)[-1]) is not None if exact else
+                         "\\boxed{" in c or "####" in c for c in completions], dtype=torch.float32)
 
 
 def load_reward_fn(spec: str, examples: list[dict] = ()):
@@ -1077,10 +1079,11 @@ def rollout_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, 
 
 
 def reweighted(logprobs: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    """`logprobs` (B, L) with the same values and each token's gradient multiplied by its weight (None: as they
-    are). Every loss here reaches the policy's weights through the log-probs only, so every term of a token's
-    loss is weighted, whatever the loss, and the normaliser (tokens, sequences) stays as it is."""
-    return logprobs if weights is None else weights * logprobs + (1 - weights) * logprobs.detach()
+    """`logprobs` (B, L) with exactly the same values (lp + w * 0) and each token's gradient multiplied by its
+    weight (None: as they are). Every loss here reaches the policy's weights through the log-probs only, so
+    every term of a token's loss is weighted, whatever the loss, and the normaliser (tokens, sequences) stays
+    as it is."""
+    return logprobs if weights is None else logprobs.detach() + weights * (logprobs - logprobs.detach())
 
 
 # 7. Metrics and logging -----------------------------------------------------------------------------------------

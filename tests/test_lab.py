@@ -16,6 +16,7 @@ from common import (
     builtin_splits,
     correctness_reward,
     format_prompt,
+    format_reward,
     generate,
     given_rollout,
     load_model,
@@ -49,6 +50,12 @@ def test_chain_examples_are_fixed_disjoint_and_worked_right():
 ])
 def test_the_built_in_tasks_grade_the_text_after_the_last_marker(completion, right):
     assert correctness_reward([completion], ["19"], exact=True).item() == right
+
+
+def test_the_format_reward_of_the_built_in_tasks_wants_a_bare_number_after_the_marker():
+    """--format-weight on the chain task rewards the answer's form, not skipping the scratchpad."""
+    texts = ["12+7=19 #### 19", "#### 20", "19", "12+7=19", "12+7=19 #### x", ""]
+    assert format_reward(texts, exact=True).tolist() == [1, 1, 1, 0, 0, 0]
 
 
 def test_the_add_task_grades_as_before():
