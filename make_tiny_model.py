@@ -4,7 +4,7 @@ well below 1, the right answer often in its distribution), so RL has something t
 the same command rewrites the same weights on the same torch build.
 
     python make_tiny_model.py                # tiny_model/: ~0.4M parameters, a+b, ~1 minute on 2 CPU cores
-    python make_tiny_model.py --task chain   # tiny_model_chain/: the lab's model (docs/lab.md), ~N minutes
+    python make_tiny_model.py --task chain   # tiny_model_chain/: the lab's model (docs/lab.md), ~5 minutes
     python make_tiny_model.py --sft-steps 0  # untrained weights, for experiments
 
 The chain model's warm-up completions vary as a policy's would, so that RL has behaviour to choose between:
@@ -37,7 +37,7 @@ class Args:
     task: Literal["add", "chain"] = "add"
     """the built-in task of the warm-up"""
     output_dir: Optional[str] = None
-    """where the model and tokenizer are written; left out: the task's default model folder (common.TASK_MODELS)"""
+    """where the model and tokenizer are written; left out: the task's default model folder (common.TASKS)"""
     seed: int = 0
     sft_steps: Optional[int] = None
     """supervised steps (left out: 350 for add, 600 for chain); fewer leave the model weaker, more make RL's job
@@ -69,7 +69,7 @@ def warm_up_completion(numbers: list[int], rng: random.Random) -> str:
             steps.append(f"{written}={wrong if kind == 'slip' else right}")
             right = wrong if kind == "slip" else right
         total, i = right, i + len(terms)
-    return " ".join(steps if kind != "direct" else []) + (" " if kind != "direct" else "") + f"#### {total}"
+    return " ".join(([] if kind == "direct" else steps) + [f"#### {total}"])
 
 
 def make_tokenizer() -> PreTrainedTokenizerFast:

@@ -1,6 +1,8 @@
 """The lab (docs/lab.md): the chain task, its grading, the metrics that show the algorithms' differences,
 gvpo.py's mixed data, and every file on --task chain."""
 
+import collections
+import random
 import re
 
 import pytest
@@ -24,6 +26,25 @@ from common import (
     step_metrics,
 )
 from conftest import ALGORITHMS, read_metrics, run
+
+
+def test_warm_up_completions_vary_and_only_a_carried_slip_is_wrong():
+    """make_tiny_model.py's chain data: every partial sum is the previous total plus the terms it names,
+    except a slip (by 1 or 10), which is either carried to a wrong answer or corrected after 'wait'."""
+    from make_tiny_model import warm_up_completion
+
+    rng, kinds = random.Random(0), collections.Counter()
+    for _ in range(3000):
+        numbers = [rng.randrange(100) for _ in range(rng.randint(2, 6))]
+        text = warm_up_completion(numbers, rng)
+        scratchpad, total = text.rsplit("#### ", 1)
+        right = int(total) == sum(numbers)
+        kinds["wait" if "wait" in text else "direct" if not scratchpad else "right" if right else "slip"] += 1
+        assert right or ("wait" not in text and scratchpad)  # only a carried slip is wrong
+        for step in scratchpad.replace(" wait", "").split():
+            terms, result = step.split("=")
+            assert abs(int(result) - sum(map(int, terms.split("+")))) in (0, 1, 10) or int(result) == 0
+    assert kinds["slip"] > 300 and kinds["wait"] > 200 and kinds["direct"] > 200, kinds
 
 
 def test_chain_examples_are_fixed_disjoint_and_worked_right():
