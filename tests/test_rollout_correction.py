@@ -57,7 +57,9 @@ def test_reweighted_keeps_the_values_and_scales_each_tokens_gradient():
     logprobs = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64, requires_grad=True)
     weights = torch.tensor([[0.25, 1.5, 0.0]], dtype=torch.float64)
     out = reweighted(logprobs, weights)
-    torch.testing.assert_close(out, logprobs, rtol=0, atol=1e-15)
+    assert torch.equal(out, logprobs)  # exactly: lp + w * 0 (w * lp + (1 - w) * lp is off by an ulp)
+    float32 = torch.randn(1000).log_softmax(0)  # float32 values and weights, as in a run
+    assert torch.equal(reweighted(float32, torch.rand(1000) * 2), float32)
     coefficients = torch.tensor([[3.0, -1.0, 2.0]], dtype=torch.float64)
     (out * coefficients).sum().backward()
     torch.testing.assert_close(logprobs.grad, weights * coefficients)
