@@ -176,21 +176,28 @@ def plot(rows: list[dict], path: Path, title: str, panels: list[tuple[str, str, 
     columns = min(len(panels), 4)
     rows_of_panels = -(-len(panels) // columns)
     fig, axes = plt.subplots(rows_of_panels, columns, figsize=(4.5 * columns, 4 * rows_of_panels), squeeze=False)
+    configs = list(dict.fromkeys(row["config"] for row in rows))  # a config keeps its colour in every panel
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (x_key, y_key, y_label) in zip(axes.flat, panels):
-        for k, (config, seeds) in enumerate(curves(rows, y_key).items()):
+        for config, seeds in curves(rows, y_key).items():
+            k = configs.index(config)
             runs = [{row["step"]: row for row in run} for run in seeds.values()]
             steps = sorted(set.intersection(*(set(run) for run in runs)))
             x = [statistics.mean(run[s][x_key] for run in runs) for s in steps]  # completions differ by seed
             ys = [[run[s][y_key] for run in runs] for s in steps]
-            line, = ax.plot(x, [statistics.mean(y) for y in ys], label=f"{config} ({len(runs)} seeds)",
-                            linestyle="-" if k < 10 else "--")  # the colour cycle has 10 colours
-            ax.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.15)
+            colour, style = colours[k % len(colours)], "-" if k < len(colours) else "--"
+            ax.plot(x, [statistics.mean(y) for y in ys], color=colour, linestyle=style,
+                    label=f"{config} ({len(runs)} seeds)")
+            ax.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=colour, alpha=0.15)
         ax.set_xlabel({"step": "training step", "completions": "completions sampled"}[x_key])
         ax.set_ylabel(y_label)
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=7)
+    if len(panels) < axes.size:  # the legend in the first empty cell, else over the first panel
+        axes.flat[len(panels)].legend(*axes.flat[0].get_legend_handles_labels(), loc="center", fontsize=9)
+    else:
+        axes.flat[0].legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -279,7 +286,7 @@ def main(args: Args) -> None:
               f"{lab_table(rows)}")
         panels = PANELS + [("step", key, key.replace("_", " ")) for key in LAB]
     png = args.out.with_suffix(".png")
-    title = (f"{', '.join(args.configs)} on the {args.task} task, seeds {' '.join(map(str, args.seeds))}; "
+    title = (f"{len(args.configs)} configurations on the {args.task} task, seeds {' '.join(map(str, args.seeds))}; "
              f"mean and min-max over seeds; plotted {time.strftime('%Y-%m-%d')}")
     if plot(rows, png, title, panels):
         print(f"plot: {png}")
