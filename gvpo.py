@@ -318,7 +318,7 @@ def main(args: Args) -> None:
     trained = {"policy": policy}  # saved to and restored from checkpoints
     # ---
     start_step, state = load_checkpoint(resume_dir, trained, optimizer, rank)  # state: the algorithm's, per rank
-    # --- algorithm: the (rollout, rewards) of the last --reuse-steps steps, replayed (this rank's own groups) ---
+    # --- algorithm: the (rollout, rewards, rollout-correction weights) of the last --reuse-steps steps, replayed ---
     state.setdefault("replay", [])
     G = state.setdefault("group_size", args.group_size)  # of the replayed groups: another would mix their prompts
     require(G == args.group_size or not state["replay"], "--group-size", args.group_size, f"{G}, as in the checkpoint")
@@ -356,11 +356,19 @@ def main(args: Args) -> None:
                                     args.reward_fn)
 
         # 4. advantages, on the fresh groups and those replayed from the last --reuse-steps steps
-        b_rollout = cat_rollouts([rollout] + [r for r, _ in state["replay"]], tokenizer.pad_token_id)
-        b_rewards = torch.cat([rewards] + [r for _, r in state["replay"]])
-        state["replay"] = [(rollout, rewards)] + state["replay"][: args.reuse_steps - 1] if args.reuse_steps else []
+        b_rollout = cat_rollouts([rollout] + [r for r, _, _ in state["replay"]], tokenizer.pad_token_id)
+        b_rewards = torch.cat([rewards] + [r for _, r, _ in state["replay"]])
         b_advantages = compute_advantages(b_rewards, args.group_size).to(device)  # (B,)
         b_is_demo = torch.arange(len(b_rewards), device=device) % args.group_size >= sampled  # (B,) the same rows
+        # The rollout correction corrects a row's sampler at the step that drew it: a replayed group keeps that
+        # step's weights, pi_old / pi_sampler then (pi_anchor now / pi_sampler then would put the policy's move
+        # since into an importance weight, which the loss does not need: §3.3); the demonstrations, drawn by no
+        # sampler, 1.
+        n, T = rollout.response_mask.shape[0], b_rollout.response_mask.shape[1]
+        b_sampled_now = (torch.arange(len(b_rewards), device=device) < n) & ~b_is_demo  # (B,) weighted this step
+        b_kept_weights = torch.cat([torch.ones(n, T, device=device)] + [  # (B, T), 1 after a row's end
+            torch.nn.functional.pad(w, (0, T - w.shape[1]), value=1.0) for _, _, w in state["replay"]]
+        ) if args.rollout_correction != "none" else None
         # The old log-probs below are the anchor: the policy at the start of the step, for every group, replayed
         # ones included, so a_i always measures the move away from the current anchor.
         # ---
@@ -399,8 +407,9 @@ def main(args: Args) -> None:
                         # The rollout correction: each token's loss weighted by pi_old / pi_sampler (None: off)
                         weights = rollout_weights(b_old_logprobs[idx], b_rollout.sampler_logprobs[idx],
                                                   args.rollout_correction, args.correction_cap)
-                        # --- algorithm: no sampler drew the demonstrations: nothing to correct (weight 1) ---
-                        weights = None if weights is None else torch.where(b_is_demo[idx, None], 1.0, weights)
+                        # --- algorithm: the weights of this step's samples; the replayed and demos' kept ---
+                        weights = None if weights is None else torch.where(b_sampled_now[idx, None], weights,
+                                                                           b_kept_weights[idx])
                         # ---
                         logprobs = reweighted(logprobs, weights)
                         # --- algorithm: the GVPO loss ---
@@ -416,12 +425,18 @@ def main(args: Args) -> None:
                 optimizer.zero_grad(set_to_none=True)
                 update_metrics.append({"policy/grad_norm": grad_norm})
         times["update"] = time.perf_counter() - update_start
+        # --- algorithm: this step's groups, kept for the next --reuse-steps steps with their weights ---
+        L = rollout.response_mask.shape[1]
+        kept = rollout_weights(b_old_logprobs[:n, :L], rollout.sampler_logprobs, args.rollout_correction,
+                               args.correction_cap)
+        kept = None if kept is None else torch.where(b_sampled_now[:n, None], kept, 1.0)
+        state["replay"] = ([(rollout, rewards, kept)] + state["replay"])[: args.reuse_steps]
+        # ---
 
         # --- algorithm: the sampler guard, on the completions this policy sampled ---
         # Were they drawn from the distribution the loss assumes? (the gap is ~1e-6 in fp32)
         # Only the fresh groups' sampled rows: the replayed ones were sampled by older policies, the demonstrations
         # by none. The step's metrics below describe those rows too.
-        n, L = rollout.response_mask.shape
         rows = (~b_is_demo[:n]).nonzero().squeeze(-1)
         rollout, rewards = select_rows(rollout, rows), rewards[rows.cpu()]
         components = {name: value[rows.cpu()] for name, value in components.items()}

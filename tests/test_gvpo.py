@@ -122,3 +122,25 @@ def test_replayed_groups_with_longer_prompts_are_scored_at_the_right_columns(tmp
     gvpo.main(gvpo.Args(dataset=str(path), eval_size=4, num_steps=8, prompts_per_step=1, group_size=4,
                         eval_every=0, reuse_steps=2, updates_per_rollout=1, output_dir=str(tmp_path), run_name="w"))
     assert all(m["policy/approx_kl"] < 1e-6 for m in read_metrics(tmp_path / "w")), read_metrics(tmp_path / "w")
+
+
+def test_a_replayed_group_keeps_the_rollout_correction_of_its_own_step(tmp_path, monkeypatch):
+    """--reuse-steps with --rollout-correction: the weight corrects the engine's mismatch when the group
+    was sampled, pi_old(then) / pi_sampler(then), kept with the group. Weighting a replayed group by
+    pi_anchor(now) / pi_sampler(then) would put the policy's move since then into an importance weight,
+    which GVPO's loss does not need (its §3.3). Here the sampler is the trainer itself, so every weight
+    is 1 (to the ~1e-6 of two fp32 computations), a replayed group's as well as a fresh one's."""
+    steps = []
+    real = gvpo.reweighted
+
+    def reweighted(logprobs, weights):
+        steps.append(weights)
+        return real(logprobs, weights)
+
+    monkeypatch.setattr(gvpo, "reweighted", reweighted)
+    gvpo.main(gvpo.Args(num_steps=3, prompts_per_step=4, group_size=4, eval_every=0, reuse_steps=1,
+                        updates_per_rollout=1, rollout_correction="tis", output_dir=str(tmp_path),
+                        run_name="replay"))
+    weights = torch.cat([w.flatten() for w in steps])
+    assert sum(len(w) for w in steps) == 16 + 32 + 32  # steps 1 and 2: 16 fresh rows, then the 16 replayed
+    torch.testing.assert_close(weights, torch.ones_like(weights), rtol=0, atol=1e-4)

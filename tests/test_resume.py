@@ -23,9 +23,9 @@ from conftest import ALGORITHMS, ROOT, read_metrics, run
 
 pytestmark = pytest.mark.slow  # kill-and-resume runs in subprocesses: `-m 'not slow'` skips them
 
-# Each file's own resumable state is exercised: DAPO's draw counter, GVPO's replayed groups, PPO's
-# critic and adaptive beta.
-EXTRA = {"gvpo": ["--reuse-steps", "1"], "ppo": ["--target-kl", "0.01"]}
+# Each file's own resumable state is exercised: DAPO's draw counter, GVPO's replayed groups (with their
+# rollout-correction weights), PPO's critic and adaptive beta.
+EXTRA = {"gvpo": ["--reuse-steps", "1", "--rollout-correction", "tis"], "ppo": ["--target-kl", "0.01"]}
 
 # Loaded before the run's own imports (Python imports `sitecustomize` at start-up): the second write of
 # a safetensors file, the step-4 checkpoint's exported weights, announces itself and then hangs, so the
