@@ -1047,35 +1047,49 @@ def sampler_logprob_gap(sampler_logprobs: torch.Tensor, logprobs: torch.Tensor, 
                         correction: str = "none", cap: float = 2.0) -> dict[str, torch.Tensor]:
     """How far the trainer's log-probs (B, L) of the sampled tokens are from the sampler's, over every rank's
     response tokens: `policy/sampler_logprob_gap` (mean |difference|) and `_max`, ~1e-6 when the two compute
-    the same distribution in fp32. With a `correction`, what it did: the mean of its weights and the share of
-    tokens truncated (tis: w > cap) or masked (mis: w outside [1/cap, cap])."""
+    the same distribution in fp32. With a `correction`, what it did: the mean of its weights, and the share of
+    response tokens and of completions (any of their tokens) truncated (*tis: below the uncapped ratio) or
+    masked (*mis: weight 0)."""
     mask = response_mask.bool()
     difference = torch.where(mask, (sampler_logprobs - logprobs).abs(), 0.0).double()  # (B, L)
     sums = [difference.sum(), mask.sum().double()]
-    weights = rollout_weights(logprobs, sampler_logprobs, correction, cap)
+    weights = rollout_weights(logprobs, sampler_logprobs, response_mask, correction, cap)
     if weights is not None:
-        changed = weights < (logprobs - sampler_logprobs).exp() if correction == "tis" else weights == 0
-        sums += [(weights * mask).sum().double(), (changed & mask).sum().double()]
-    total = all_reduce(torch.stack(sums))
-    mean = total / total[1].clamp(min=1)  # over the response tokens
+        changed = (weights < rollout_weights(logprobs, sampler_logprobs, response_mask, correction, math.inf)) & mask
+        sums += [(weights * mask).sum(), changed.sum(), changed.any(-1).sum(), mask.any(-1).sum()]
+    total = all_reduce(torch.stack([x.double() for x in sums]))
     largest = all_reduce(difference.max() if difference.numel() else difference.new_zeros(()), "max")
-    metrics = {"policy/sampler_logprob_gap": mean[0], "policy/sampler_logprob_gap_max": largest}
+    tokens = total[1].clamp(min=1)
+    metrics = {"policy/sampler_logprob_gap": total[0] / tokens, "policy/sampler_logprob_gap_max": largest}
     if weights is not None:
-        changed = "truncated" if correction == "tis" else "masked"
-        metrics |= {"policy/correction_weight_mean": mean[2], f"policy/correction_{changed}_frac": mean[3]}
+        changed = "truncated" if correction.endswith("tis") else "masked"
+        metrics |= {"policy/correction_weight_mean": total[2] / tokens, f"policy/correction_{changed}_frac":
+                    total[3] / tokens, f"policy/correction_{changed}_seq_frac": total[4] / total[5].clamp(min=1)}
     return metrics
 
 
-def rollout_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, correction: str, cap: float
-                    ) -> torch.Tensor | None:
+def rollout_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, response_mask: torch.Tensor,
+                    correction: str, cap: float) -> torch.Tensor | None:
     """The rollout correction's per-token weights (B, L), without gradient; None for "none". A sampler other
     than the trainer (vLLM: bf16, its own kernels) draws from pi_s, not the trainer's pi_old, even at the same
-    weights, so each token's loss is weighted by w = pi_old / pi_s: "tis": min(w, cap), truncated importance
-    sampling (Yao et al. 2025); "mis": 1 where 1/cap <= w <= cap, else 0 (masked, IcePop). After EOS: 1."""
+    weights, so each token's loss is weighted by its ratio w_t = pi_old / pi_s, or by its completion's:
+      "tis"      min(w_t, C): truncated importance sampling (Yao et al. 2025; TRL's token_truncate)
+      "mis"      1 where 1/C <= w_t <= C, else 0: verl's token-level rejection (token_k1); IcePop and TRL's
+                 token_mask keep w_t on the kept tokens instead of 1
+      "seq-tis"  min(prod_t w_t, C) on every token of the completion (verl's rollout_is="sequence")
+      "seq-mis"  1 where 1/C <= prod_t w_t <= C, else 0: the completion left out (verl's seq_sum_k1)
+      "geo-mis"  the same for exp(mean_t log w_t), which does not grow with the length (verl's seq_mean_k1)
+    Over the response tokens; the products in log space, exponentiated within e^+-20 as verl does."""
     if correction == "none":
         return None
-    ratio = (old_logprobs - sampler_logprobs).clamp(-20, 20).exp().detach()  # (B, L) pi_old / pi_s
-    return ratio.clamp(max=cap) if correction == "tis" else ((ratio >= 1 / cap) & (ratio <= cap)).to(ratio.dtype)
+    log_ratio = ((old_logprobs - sampler_logprobs) * response_mask).detach()  # (B, L) log w_t, 0 after EOS
+    if correction != "tis" and correction != "mis":  # the completion's ratio, on each of its tokens
+        log_ratio = log_ratio.sum(-1, keepdim=True)  # (B, 1) log prod_t w_t
+        if correction == "geo-mis":
+            log_ratio = log_ratio / response_mask.sum(-1, keepdim=True).clamp(min=1)
+        log_ratio = log_ratio.expand_as(old_logprobs)
+    ratio = log_ratio.clamp(-20, 20).exp()
+    return ratio.clamp(max=cap) if correction.endswith("tis") else ((ratio >= 1 / cap) & (ratio <= cap)).to(ratio.dtype)
 
 
 def reweighted(logprobs: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:

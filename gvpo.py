@@ -176,9 +176,10 @@ class RolloutFlags:
     policy's weights before each call (pip install -r requirements-vllm.txt, in an environment of its own)"""
     vllm_gpu_memory: float = 0.3
     """fraction of the GPU's memory the vLLM engine takes for its weights and KV cache (--vllm on a GPU)"""
-    rollout_correction: Literal["auto", "none", "tis", "mis"] = "auto"
+    rollout_correction: Literal["auto", "none", "tis", "mis", "seq-tis", "seq-mis", "geo-mis"] = "auto"
     """weight each token's loss by w = pi_old / pi_sampler, truncated at --correction-cap (tis), or keep only
-    the tokens with w in [1/cap, cap] (mis); auto: tis with --vllm, else none (the sampler is the policy)"""
+    the tokens with w in [1/cap, cap] (mis); seq-tis, seq-mis: the same with the completion's ratio prod_t w_t on
+    each of its tokens; geo-mis: seq-mis with the geometric mean of w; auto: tis with --vllm, else none"""
     correction_cap: float = 2.0
     """C of --rollout-correction"""
 
@@ -406,7 +407,7 @@ def main(args: Args) -> None:
                         b_old_logprobs[idx] = logprobs.detach() if old_in_pass_1 and epoch == 0 else b_old_logprobs[idx]
                         # The rollout correction: each token's loss weighted by pi_old / pi_sampler (None: off)
                         weights = rollout_weights(b_old_logprobs[idx], b_rollout.sampler_logprobs[idx],
-                                                  args.rollout_correction, args.correction_cap)
+                                                  b_response_mask[idx], args.rollout_correction, args.correction_cap)
                         # --- algorithm: the weights of this step's samples; the replayed and demos' kept ---
                         weights = None if weights is None else torch.where(b_sampled_now[idx, None], weights,
                                                                            b_kept_weights[idx])
@@ -427,8 +428,8 @@ def main(args: Args) -> None:
         times["update"] = time.perf_counter() - update_start
         # --- algorithm: this step's groups, kept for the next --reuse-steps steps with their weights ---
         L = rollout.response_mask.shape[1]
-        kept = rollout_weights(b_old_logprobs[:n, :L], rollout.sampler_logprobs, args.rollout_correction,
-                               args.correction_cap)
+        kept = rollout_weights(b_old_logprobs[:n, :L], rollout.sampler_logprobs, rollout.response_mask,
+                               args.rollout_correction, args.correction_cap)
         kept = None if kept is None else torch.where(b_sampled_now[:n, None], kept, 1.0)
         state["replay"] = ([(rollout, rewards, kept)] + state["replay"])[: args.reuse_steps]
         # ---
