@@ -366,7 +366,7 @@ def main(args: Args) -> None:
         # since into an importance weight, which the loss does not need: §3.3); the demonstrations, drawn by no
         # sampler, 1.
         n, T = rollout.response_mask.shape[0], b_rollout.response_mask.shape[1]
-        b_sampled_now = (torch.arange(len(b_rewards), device=device) < n) & ~b_is_demo  # (B,) weighted this step
+        b_sampled_now = (torch.arange(len(b_rewards), device=device) < n) & ~b_is_demo  # (B,) this step's samples
         b_kept_weights = torch.cat([torch.ones(n, T, device=device)] + [  # (B, T), 1 after a row's end
             torch.nn.functional.pad(w, (0, T - w.shape[1]), value=1.0) for _, _, w in state["replay"]]
         ) if args.rollout_correction != "none" else None
@@ -438,7 +438,7 @@ def main(args: Args) -> None:
         # Were they drawn from the distribution the loss assumes? (the gap is ~1e-6 in fp32)
         # Only the fresh groups' sampled rows: the replayed ones were sampled by older policies, the demonstrations
         # by none. The step's metrics below describe those rows too.
-        rows = (~b_is_demo[:n]).nonzero().squeeze(-1)
+        rows = b_sampled_now[:n].nonzero().squeeze(-1)
         rollout, rewards = select_rows(rollout, rows), rewards[rows.cpu()]
         components = {name: value[rows.cpu()] for name, value in components.items()}
         metrics.update(sampler_logprob_gap(rollout.sampler_logprobs, b_old_logprobs[rows, :L], rollout.response_mask,

@@ -52,8 +52,8 @@ def test_the_sequence_modes_weigh_a_completion_by_the_product_of_its_ratios():
     Every token of the completion gets the completion's weight; the position after EOS does not count."""
     old, sampler, mask = example()
     product, geometric = 9 / 8, (9 / 8) ** (1 / 3)
+    assert 1.03 < geometric < 1.1 < product < 2.0  # so each cap below sorts the three modes apart
     for cap, seq_tis, seq_mis, geo_mis in [(2.0, product, 1.0, 1.0), (1.1, 1.1, 0.0, 1.0), (1.03, 1.03, 0.0, 0.0)]:
-        assert geometric > 1.03
         for mode, expected in [("seq-tis", seq_tis), ("seq-mis", seq_mis), ("geo-mis", geo_mis)]:
             weights = rollout_weights(old, sampler, mask, mode, cap)
             torch.testing.assert_close(weights[:, :3], torch.full((1, 3), expected), msg=f"{mode} at C={cap}")
