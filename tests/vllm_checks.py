@@ -6,13 +6,20 @@ tied-head:    after the weights change, vLLM's log-probs of its own samples agai
               when it is `VllmEngine.push`.
 prefix-cache: the same for prompts longer than a KV block, sampled once before the change, when the push
               keeps the prefix cache and when it is `VllmEngine.push` (which empties it).
-stale:        grpo.py whose engine gets the weights once, at its first call: `main`'s flags follow."""
+stale:        grpo.py whose engine gets the weights once, at its first call: `main`'s flags follow.
+release:      what release_kv_cache_memory answers after a call, at sleep level 0 alone and in
+              `VllmEngine.sleep` (an empty step first). A CPU has no sleep mode: where the engine core
+              accepts the release, the CPU worker refuses the discard itself, and the answer says which refused.
+pushes:       a file's run (its name, then `main`'s flags), recording in order each optimizer step, each
+              sampling call of the engine and each push of the weights into it."""
 
+import importlib
 import json
 import sys
 from pathlib import Path
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -31,21 +38,20 @@ from common import (  # noqa: E402 (after the path)
 def gap(engine: VllmEngine, model, tokenizer, prompts: list[str], push: bool) -> float:
     """The largest |sampler - trainer| log-prob over 4 completions of each prompt, sampled after `push`ing
     the weights (else with the engine as it is)."""
-    if not push:
-        engine.push = lambda model: None
+    engine.stale = push
     rollout = engine.generate(model, tokenizer, prompts, 4, 8, 1.0)
-    vars(engine).pop("push", None)
     trainer, _ = get_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_length, 1.0,
                               entropy=False)
     return ((trainer - rollout.sampler_logprobs).abs() * rollout.response_mask).max().item()
 
 
-def change(model) -> None:
-    """New weights, as an optimizer step would give (larger, so that a stale part is plain to see)."""
+def change(model, optimizer) -> None:
+    """New weights, by an optimizer step (SGD, lr 1) on a random gradient larger than training's, so that a
+    stale part is plain to see."""
     torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 0.05
+    optimizer.step()
 
 
 def tied_head() -> dict:
@@ -53,9 +59,10 @@ def tied_head() -> dict:
     model = load_model(DEFAULT_MODEL, "float32", torch.device("cpu"), tokenizer)
     assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
     prompts = [format_prompt(tokenizer, p, True) for p in ("1+2", "45+67", "99+9")]
-    engine = VllmEngine(DEFAULT_MODEL, "float32", 0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine = VllmEngine(DEFAULT_MODEL, "float32", 0, optimizer)
     out = {"before": gap(engine, model, tokenizer, prompts, push=True)}
-    change(model)
+    change(model, optimizer)
     without_head = [(k, v) for k, v in unwrap(model).state_dict().items() if k != "lm_head.weight"]
     engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": without_head})
     engine.llm.reset_prefix_cache()
@@ -77,9 +84,10 @@ def prefix_cache(folder: str) -> dict:
     model = load_model(folder, "float32", torch.device("cpu"), tokenizer)
     prompts = ["+".join(str(i) for i in range(k, k + 100)) for k in (1, 7)]
     assert min(len(tokenizer(p).input_ids) for p in prompts) > 2 * 128  # two KV blocks of vLLM's CPU backend
-    engine = VllmEngine(folder, "float32", 0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine = VllmEngine(folder, "float32", 0, optimizer)
     out = {"before": gap(engine, model, tokenizer, prompts, push=True)}  # the prompts' blocks are cached
-    change(model)
+    change(model, optimizer)
     engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(model.state_dict().items())})
     out["cache_kept"] = gap(engine, model, tokenizer, prompts, push=False)
     out["push"] = gap(engine, model, tokenizer, prompts, push=True)
@@ -102,8 +110,50 @@ def stale(flags: list[str]) -> dict:
     return {"pushes": len(pushes)}
 
 
+def release() -> dict:
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    model = load_model(DEFAULT_MODEL, "float32", torch.device("cpu"), tokenizer)
+    engine = VllmEngine(DEFAULT_MODEL, "float32", 0, torch.optim.SGD(model.parameters(), lr=0.0))
+    prompts = [format_prompt(tokenizer, "1+2", True)]
+    out = {}
+    engine.generate(model, tokenizer, prompts, 2, 8, 1.0)
+    engine.llm.sleep(level=0)
+    try:
+        engine.llm.release_kv_cache_memory()
+    except RuntimeError as error:
+        out["level_0"] = str(error)
+    engine.llm.wake_up(tags=["scheduling"])
+    engine.generate(model, tokenizer, prompts, 2, 8, 1.0)
+    engine.gpu = True  # the GPU's path of VllmEngine.sleep
+    try:
+        engine.sleep()
+    except RuntimeError as error:
+        out["sleep"] = str(error)
+    return out
+
+
+def pushes(algo: str, flags: list[str]) -> dict:
+    from common import cli
+
+    events, real_push, real_generate = [], VllmEngine.push, VllmEngine.generate
+
+    def push(self, model):
+        events.append("push")
+        real_push(self, model)
+
+    def generate(self, *args, **kwargs):
+        events.append("generate")
+        return real_generate(self, *args, **kwargs)
+
+    VllmEngine.push, VllmEngine.generate = push, generate
+    register_optimizer_step_post_hook(lambda *_: events.append("step"))  # every optimizer's
+    module = importlib.import_module(algo)
+    module.main(cli(module.Args, args=flags))
+    return {"events": events}
+
+
 if __name__ == "__main__":
     check, out_file, *rest = sys.argv[1:]
     result = {"tied-head": lambda: tied_head(), "prefix-cache": lambda: prefix_cache(*rest),
-              "stale": lambda: stale(rest)}[check]()
+              "stale": lambda: stale(rest), "release": release, "pushes": lambda: pushes(rest[0], rest[1:])}[check]()
     Path(out_file).write_text(json.dumps(result))
