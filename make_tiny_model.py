@@ -40,8 +40,8 @@ class Args:
     """where the model and tokenizer are written; left out: the task's default model folder (common.TASKS)"""
     seed: int = 0
     sft_steps: Optional[int] = None
-    """supervised steps (left out: 350 for add, 600 for chain); fewer leave the model weaker, more make RL's job
-    trivial"""
+    """supervised steps (left out: 350 for add, 600 for chain); fewer leave the model weaker, more leave RL
+    little to learn"""
     batch_size: int = 128
     learning_rate: float = 3e-3
     hidden_size: int = 128
