@@ -362,7 +362,7 @@ def main(args: Args) -> None:
 
         # 4. advantages, on the fresh groups and those replayed from the last --reuse-steps steps
         b_rollout = cat_rollouts([rollout] + [r for r, _, _ in state["replay"]], tokenizer.pad_token_id)
-        b_rewards = torch.cat([rewards] + [r for _, r, _ in state["replay"]])
+        b_rewards = torch.cat([rewards] + [r.cpu() for _, r, _ in state["replay"]])  # a resume puts them on the GPU
         b_advantages = compute_advantages(b_rewards, args.group_size).to(device)  # (B,)
         b_is_demo = torch.arange(len(b_rewards), device=device) % args.group_size >= sampled  # (B,) the same rows
         # The rollout correction corrects a row's sampler at the step that drew it: a replayed group keeps that
