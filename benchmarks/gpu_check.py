@@ -9,11 +9,11 @@ as a throughput figure wants.
 
 For each shape grpo.py runs 1 + --rounds steps (the first, which compiles and warms up, is left out) with
 generate and, when vLLM is installed, with --vllm, its engine keeping its weights between calls and not
-(--no-vllm-keep-weights). Printed per run, from its metrics.jsonl: seconds per
-round, of which sampling; sampled tokens per second; peak memory; the update's TFLOP/s and, on a GPU, its
-MFU (the matmul FLOPs of `update_flops` over perf/update_s and --peak-tflops); with --vllm the sampler gap
-and what the rollout correction did. Then, with trl and a GPU, grpo.py against TRL in turns
-(benchmarks/lockstep.py), each side with its own sampler: generate, then vLLM.
+(--no-vllm-keep-weights). Printed per run, from its metrics.jsonl: seconds per round, of which sampling;
+sampled tokens per second; peak memory; the update's TFLOP/s and, on a GPU, its MFU (the matmul FLOPs of
+`update_flops` over perf/update_s and --peak-tflops); with --vllm the sampler gap and what the rollout
+correction did. Then, with trl and a GPU, grpo.py against TRL in turns (benchmarks/lockstep.py), each
+side with its own sampler: generate, then vLLM.
 """
 
 import importlib.util
