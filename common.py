@@ -866,8 +866,8 @@ class VllmEngine:
     says how close it samples to the trainer). Sampling is plain softmax(logits / T), as in `generate`, with
     each token's log-prob under it. Its random stream is its own (seeded per rank), not in checkpoints: a
     resumed run samples other completions than the run that stopped. On a GPU it sleeps between calls,
-    freeing its KV cache for the update, and its weights too unless `keep_weights` (then it gets them again
-    at every call)."""
+    freeing its KV cache for the update, and its weights too unless `keep_weights` (freed, they are pushed
+    again at every call)."""
 
     def __init__(self, name: str, dtype: str, seed: int, optimizer: torch.optim.Optimizer,
                  gpu_memory_utilization: float = 0.3, keep_weights: bool = True):
