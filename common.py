@@ -33,6 +33,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
+from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
 from typing import Annotated
@@ -590,7 +591,9 @@ def _epoch_order(num_examples: int, seed: int) -> list[int]:
 
 
 def final_answer(text: str) -> str | None:
-    """The content of a completion's last \\boxed{...}, else what follows its last '####' (GSM8K), else None."""
+    """A completion's final answer: its last \\boxed{...}, else the number right after its last '####' (GSM8K; the
+    first line when it is not a number); '' when it opens one and does not finish it (cut off: no answer, never an
+    earlier number); None when it has neither (the whole completion is graded)."""
     start = text.rfind("\\boxed{")
     if start >= 0:
         depth, i = 1, start + len("\\boxed{")
@@ -598,37 +601,58 @@ def final_answer(text: str) -> str | None:
             depth += {"{": 1, "}": -1}.get(text[j], 0)
             if depth == 0:
                 return text[i:j].strip()
-        return None  # unclosed brace
-    return (text.rsplit("####", 1)[1].strip() or None) if "####" in text else None
-
-
-def _to_number(text: str) -> Fraction | None:
-    """A plain number ('1,234,567', '-3.5', '3/4', '1.5e3'), exactly, or None. A comma is a thousands
-    separator only between groups of three digits: '0,1' (two answers) and '12 13' are not numbers."""
-    text = text.strip().rstrip(".")
-    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", text):
-        text = text.replace(",", "")
-    try:
-        return Fraction(text)
-    except (ValueError, ZeroDivisionError):
+        return ""  # unclosed brace
+    if "####" not in text:
         return None
+    line = text.rsplit("####", 1)[1].strip().split("\n", 1)[0]
+    number = re.match(r"\\?\$?\s*(" + NUMBER + ")", line)
+    return number[1] if number else line.strip()
+
+
+# A plain number: digits (commas between groups of three), decimals, and e-notation, \times 10^{n} or a denominator.
+# Exponents have at most 9 digits and a denominator 100: Decimal keeps 1e99999999 exact and cheap; a Fraction of it
+# took minutes.
+NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d{1,9}|\s*\\(?:times|cdot)\s*10\^(?:\{[-+]?\d{1,9}\}|\d)" \
+    r"|/\d{1,100})?"
+
+
+def _to_number(text: str) -> Fraction | Decimal | None:
+    """A plain number ('1,234,567', '-3.5', '3/4', '\\frac{3}{4}', '1.5e3', '6.02 \\times 10^{23}'), exactly, as MATH
+    and GSM8K write them ('\\$18', '32,\\!348', '50\\%'), or None: '0,1' (two answers), '12 13', '10001_2' are not."""
+    text = re.sub(r"\\[!,;: ]|\\?\$|\\?%", "", text.strip().rstrip(".")).replace("{,}", ",")
+    text = re.sub(r"^(-?)\\[dt]?frac\{(\d+)\}\{(\d+)\}$", r"\1\2/\3", text.strip())
+    if len(text) > 200 or not re.fullmatch(NUMBER, text):
+        return None
+    text = re.sub(r"\s*\\(?:times|cdot)\s*10\^\{?([-+]?\d+)\}?", r"e\1", text.replace(",", ""))
+    text, _, denominator = text.partition("/")
+    return Fraction(text) / int(denominator) if denominator else Decimal(text)
 
 
 def math_reward(completion: str, answer: str) -> bool:
     """Is `completion` right, for a gold `answer` such as '72', '\\frac{1}{2}', '(1, 3]' or GSM8K's 'reasoning
-    #### 72'? Plain numbers (the completion's final answer, or the whole completion) are compared exactly;
-    anything else by math-verify (fractions, roots, pi, units, intervals, tuples, sets, equations), with its
-    own timeouts: a completion it cannot grade in seconds scores 0."""
+    #### 72'? Its final answer (or the whole completion) is compared: plain numbers exactly (a gold float's 16-17
+    digit repr at a float's precision), a base like '10001_2' as text, anything else by math-verify (fractions,
+    roots, pi, units, intervals, tuples, sets, equations) with its own timeouts. The rules: docs/data.md."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
     gold, stated = answer.rsplit("####", 1)[-1].strip(), final_answer(completion)
-    numbers = _to_number(gold), _to_number(completion if stated is None else stated)
+    given = completion if stated is None else stated
+    if stated == "":  # cut off inside its final answer
+        return False
+    if re.fullmatch(r"\w+_\{?\d+\}?", gold):  # a number in base b: its digits and the base, as text
+        return re.sub(r"[{}\s]", "", given) == re.sub(r"[{}\s]", "", gold)
+    numbers = _to_number(gold), _to_number(given)
     if None not in numbers:
+        _, digits, exponent = numbers[0].as_tuple() if isinstance(numbers[0], Decimal) else (0, (), 0)
+        if exponent < 0 and len(digits) >= 16 and Decimal(repr(float(numbers[0]))) == numbers[0]:  # a float's repr
+            return float(numbers[0]) == float(numbers[1])  # (JSON): its exact value was lost, so a float's precision
         return numbers[0] == numbers[1]
-    if numbers[0] is not None and re.fullmatch(r"-?[\d.]+[eE][-+]?\d+", gold):
-        gold = str(float(numbers[0]))  # LaTeX would read 1.5e3 as 1.5 times a symbol e
+    if numbers[0] is not None:  # as LaTeX, which math-verify reads exactly ('1.5e3' would be 1.5 times a symbol e)
+        sign, digits, exponent = numbers[0].as_tuple() if isinstance(numbers[0], Decimal) else (0, (), 0)
+        gold = f"{'-' * sign}{''.join(map(str, digits))} \\times 10^{{{exponent}}}" if digits else \
+            f"\\frac{{{numbers[0].numerator}}}{{{numbers[0].denominator}}}"
     extraction = [LatexExtractionConfig(), ExprExtractionConfig()]
-    return verify(parse(gold if "\\boxed" in gold or "$" in gold else f"${gold}$", extraction),
+    return verify(parse(gold if "\\boxed" in gold or re.search(r"(?<!\\)\$", gold) else f"${gold}$", extraction),
                   parse(completion if stated is None else f"\\boxed{{{stated}}}", extraction))
 
 

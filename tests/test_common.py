@@ -273,8 +273,12 @@ def test_left_padding_does_not_change_logprobs(model, tokenizer):
         ("so the answer is \\boxed{42}.", "42"),
         ("\\boxed{1} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),  # the last box, nested braces
         ("work... #### 1,234", "1,234"),
+        ("#### 72 dollars\nQuestion: 5 apples", "72"),  # the number after '####', not what follows it
+        ("#### \\frac{1}{2}\nmore", "\\frac{1}{2}"),  # not a plain number: the line after '####'
         ("3 apples and 5 pears: 8", None),  # no explicit answer: math-verify reads the whole text
-        ("\\boxed{7", None),  # unclosed: no answer rather than a guess
+        ("\\boxed{7", ""),  # opened and not closed (cut off): no answer, rather than a guess
+        ("\\boxed{7} then \\boxed{8", ""),
+        ("total 7 ####\n", ""),
         ("", None),
     ],
 )

@@ -80,6 +80,46 @@ CASES = [
     ("0,1", r"\boxed{1}", False),  # two answers, not the number 1
     ("123456789", r"\boxed{123456700}", False),
     ("0.1", r"\boxed{0.1000001}", False),
+    # answers as MATH and GSM8K write them: a dollar sign, a thin space or {,} in thousands, a percent sign
+    (r"\$18", r"\boxed{18}", True),
+    (r"\$18.90", r"\boxed{\$18.90}", True),
+    (r"\$32,\!348", r"\boxed{32348}", True),
+    (r"\$32,\!348", r"\boxed{32349}", False),
+    (r"1,\!000,\!000", r"\boxed{1{,}000{,}000}", True),
+    # a base subscript is part of the answer, compared as text with its base (Python's Fraction reads '_' as
+    # a digit separator, which made 10001_2 the number 100012)
+    ("10001_2", r"\boxed{100012}", False),
+    ("10001_2", r"\boxed{10001_2}", True),
+    ("10001_2", r"\boxed{10001_{2}}", True),
+    ("10001_2", r"\boxed{10011_2}", False),
+    # scientific notation on both sides, exactly
+    ("6.02e23", r"\boxed{6.02 \times 10^{23}}", True),
+    ("6.02e23", r"\boxed{6.03 \times 10^{23}}", False),
+    (r"6.02 \times 10^{23}", r"\boxed{602000000000000000000000}", True),
+    ("1e-7", r"\boxed{10^{-7}}", True),
+    ("1e309", r"\boxed{1 \times 10^{309}}", True),  # past a float's range: no OverflowError
+    ("1e309", r"\boxed{2}", False),
+    # GSM8K: the number right after the last '####'; what follows it is not part of the answer
+    ("72", "#### 72 dollars", True),
+    ("72", "#### 72.", True),
+    ("72", "#### $72", True),
+    ("5", "#### 5\n\nQuestion: Tom has 72 apples.", True),
+    ("72", "#### 5\n\nQuestion: Tom has 72 apples.", False),
+    ("1234", "#### 1,234 apples", True),
+    # a completion cut off inside its final answer has none: never graded on an earlier number
+    ("72", r"We start with 72 apples. Then we compute \boxed{\frac{3}{", False),
+    ("72", "The total is 72.\n####", False),
+    ("72", "The total is 72.\n#### ", False),
+    ("72", r"\boxed{72} Wait, let me check: \boxed{7", False),
+    # a JSON float is its shortest repr (16-17 digits): the same value in any notation is right, at that precision
+    ("0.3333333333333333", r"\boxed{\frac{1}{3}}", True),
+    ("0.3333333333333333", r"\boxed{1/3}", True),
+    ("0.3333333333333333", r"\boxed{0.3333}", False),
+    ("0.30000000000000004", r"\boxed{0.3}", False),  # 0.1 + 0.2: not the double nearest 0.3
+    ("0.6666666666666666", r"\boxed{\dfrac{2}{3}}", True),
+    # exact fractions, also in LaTeX: not math-verify's float tolerance
+    ("0.1", r"\boxed{\frac{100001}{1000000}}", False),
+    (r"\frac{1}{3}", r"\boxed{0.3333333333333333}", False),
 ]
 
 
@@ -103,3 +143,17 @@ def test_a_completion_that_cannot_be_graded_in_time_scores_zero_and_grading_goes
     start = time.perf_counter()
     assert correctness_reward([r"\boxed{9^{9^{9}}}", r"\boxed{1}"], ["1", "1"], exact=False).tolist() == [0.0, 1.0]
     assert time.perf_counter() - start < 30  # the timeout, with slack for a loaded machine
+
+
+@pytest.mark.parametrize("gold, completion, right", [
+    ("1", r"\boxed{1e99999999}", False),  # a Fraction of 10^99999999 took 224 s
+    ("1e99999999", r"\boxed{10^{99999999}}", True),
+    ("1e99999999", r"\boxed{2e99999999}", False),
+    ("1", r"\boxed{1e999999999999999999999}", False),
+    ("1", "#### " + "9" * 100_000, False),  # a number longer than Python's int conversion allows
+    ("1", r"\boxed{\frac{1}{" + "7" * 100_000 + "}}", False),
+])
+def test_huge_numbers_are_graded_in_bounded_time(gold, completion, right):
+    start = time.perf_counter()
+    assert correctness_reward([completion], [gold], exact=False).tolist() == [float(right)]
+    assert time.perf_counter() - start < 30  # math-verify's own timeout at most, with slack for a loaded machine
