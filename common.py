@@ -1413,8 +1413,8 @@ def _step_folders(run_dir: Path) -> list[Path]:
 
 
 def _check_same_run(checkpoint: Path, run_info: dict) -> None:
-    """Stop when the checkpoint was written by another algorithm file or number of ranks, or when it is at or
-    past --num-steps; print the other flags that changed."""
+    """Stop when the checkpoint was written by another algorithm file or number of ranks, or when it is past
+    --num-steps; print the other flags that changed."""
     saved, config = _read_info(checkpoint), run_info["config"]
     if saved["algorithm"] != run_info["algorithm"]:
         raise UsageError(f"--resume {checkpoint}: written by {saved['algorithm']}, resumed by "
@@ -1425,9 +1425,9 @@ def _check_same_run(checkpoint: Path, run_info: dict) -> None:
                          f"{config['world_size']}. Resume with --nproc_per_node={saved['world_size']} (each rank's "
                          f"sampling stream and algorithm state are its own), or start a new run from its weights "
                          f"with --model {checkpoint}.")
-    if saved["step"] >= config["num_steps"]:
+    if saved["step"] > config["num_steps"]:  # at --num-steps, what is left runs: the final evaluation and final/
         raise UsageError(f"--num-steps {config['num_steps']}: the checkpoint {checkpoint} is at step {saved['step']}. "
-                         "Pass a larger --num-steps to train on from it.")
+                         f"Pass --num-steps {saved['step']} or more to go on from it.")
     changed = [f"--{key.replace('_', '-')} {saved['config'][key]!r} -> {value!r}" for key, value in config.items()
                if key not in NOT_COMPARED and key in saved["config"] and saved["config"][key] != value]
     if changed:

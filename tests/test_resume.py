@@ -6,6 +6,7 @@ folder: claimed by one run at a time, never deleted from; resuming an earlier ch
 import errno
 import os
 import pickle
+import shlex
 import signal
 import subprocess
 import sys
@@ -425,12 +426,12 @@ def test_a_write_error_on_one_rank_stops_every_rank(tmp_path):
     assert common.latest_checkpoint(tmp_path / "full") == tmp_path / "full" / "step_2"
 
 
-def test_a_resume_at_or_past_num_steps_stops_naming_the_checkpoints_step(tmp_path):
-    """Else it would log a step twice and save the checkpoint's weights as final/ of a shorter run."""
+def test_a_resume_past_num_steps_stops_naming_the_checkpoints_step(tmp_path):
+    """Else it would log a step twice and save the checkpoint's weights as final/ of a shorter run. At
+    --num-steps exactly, a resume runs what is left (test_a_run_stopped_in_its_final_evaluation_or_save_...)."""
     grpo.main(small_run(tmp_path, "r", num_steps=4))
-    for steps in (4, 3):
-        with pytest.raises(UsageError, match=f"--num-steps {steps}: .*step_4 is at step 4"):
-            grpo.main(small_run(tmp_path, "r", num_steps=steps, resume=str(tmp_path / "r" / "step_4")))
+    with pytest.raises(UsageError, match="--num-steps 3: .*step_4 is at step 4. Pass --num-steps 4 or more"):
+        grpo.main(small_run(tmp_path, "r", num_steps=3, resume=str(tmp_path / "r" / "step_4")))
     assert [m["step"] for m in read_metrics(tmp_path / "r")] == [0, 1, 2, 3]
 
 
@@ -448,3 +449,68 @@ def test_final_records_its_step_and_a_resume_says_where_it_resumed_from(tmp_path
 def test_keep_checkpoints_prunes_the_older_ones(tmp_path):
     grpo.main(small_run(tmp_path, "kept", keep_checkpoints=2))
     assert sorted(p.name for p in (tmp_path / "kept").glob("step_*")) == ["step_4", "step_6"]
+
+
+# Loaded before the run's own imports: the second call of `common.evaluate` (the final evaluation of a
+# one-step run that evaluates every step) or of safetensors' save_file (final/'s weights, after step_1's)
+# announces itself and hangs, so the test can stop the run there.
+HANG_AT_THE_END = """
+import os, pathlib, time
+import common, safetensors.torch
+owner, name = {"evaluate": (common, "evaluate"), "save": (safetensors.torch, "save_file")}[os.environ["HANG_IN"]]
+real, calls = getattr(owner, name), []
+def hang_on_second_call(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+        pathlib.Path(os.environ["HANG_STARTED"]).touch()
+        time.sleep(600)
+    return real(*args, **kwargs)
+setattr(owner, name, hang_on_second_call)
+"""
+
+
+@pytest.fixture(scope="module")
+def one_step_run(tmp_path_factory) -> tuple[Path, list[str]]:
+    """A one-step run, uninterrupted: (its folder, its arguments)."""
+    out = tmp_path_factory.mktemp("end")
+    args = ["grpo.py", "--num-steps", "1", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "1",
+            "--eval-size", "8", "--save-every", "1", "--output-dir", str(out), "--run-name", "whole"]
+    assert (result := run(args, cwd=out)).returncode == 0, result.stderr
+    return out / "whole", args
+
+
+@pytest.mark.parametrize("hang_in", ["evaluate", "save"])
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+def test_a_run_stopped_in_its_final_evaluation_or_save_finishes_when_resumed(tmp_path, one_step_run, hang_in, stop):
+    """Stopped after step_1/ (the last step's checkpoint) was written, in the final evaluation or the final/
+    save: the resume that Ctrl-C prints (after a kill, the same: --resume latest) runs what is left, the final
+    evaluation and final/, and ends as the run that was never stopped, bitwise."""
+    whole, args = one_step_run
+    args = [a if a != "whole" else "stopped" for a in args[:-4]] + ["--output-dir", str(tmp_path), "--run-name",
+                                                                   "stopped"]
+    hook, started = tmp_path / "hook", tmp_path / "hang-started"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HANG_AT_THE_END)
+    proc = subprocess.Popen([sys.executable, str(ROOT / args[0]), *args[1:]], cwd=tmp_path, text=True,
+                            env={**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}", "HANG_IN": hang_in,
+                                 "HANG_STARTED": str(started)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while proc.poll() is None and not started.exists() and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(stop)
+    stderr = proc.communicate()[1]
+    assert (tmp_path / "stopped" / "step_1").is_dir() and not (tmp_path / "stopped" / "final").exists()
+    if stop == signal.SIGINT:
+        command = shlex.split(stderr.split("Go on from it with: ")[1].splitlines()[0])
+        assert command[0] == "python" and command[-2:] == ["--resume", "latest"], stderr
+        args = command[1:]
+    else:
+        args = [*args, "--resume", "latest"]
+    result = run(args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "step    1/1 | eval/accuracy" in result.stdout  # the final evaluation, and no step trained again
+    expected, got = load_file(whole / "final" / "model.safetensors"), \
+        load_file(tmp_path / "stopped" / "final" / "model.safetensors")
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+    assert without_timings(read_metrics(tmp_path / "stopped")) == without_timings(read_metrics(whole))
+    assert [m["step"] for m in read_metrics(whole)] == [0, 1]
