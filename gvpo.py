@@ -371,8 +371,9 @@ def main(args: Args) -> None:
         # sampler, 1.
         n, T = rollout.response_mask.shape[0], b_rollout.response_mask.shape[1]
         b_sampled_now = (torch.arange(len(b_rewards), device=device) < n) & ~b_is_demo  # (B,) this step's samples
-        b_kept_weights = torch.cat([torch.ones(n, T, device=device)] + [  # (B, T), 1 after a row's end
-            torch.nn.functional.pad(w, (0, T - w.shape[1]), value=1.0) for _, _, w in state["replay"]]
+        b_kept_weights = torch.cat([torch.ones(n, T, device=device)] + [  # (B, T), 1 after a row's end, and on a
+            torch.ones(len(r), T, device=device) if w is None else  # group of a step that ran without the correction
+            torch.nn.functional.pad(w, (0, T - w.shape[1]), value=1.0) for _, r, w in state["replay"]]
         ) if args.rollout_correction != "none" else None
         # The old log-probs below are the anchor: the policy at the start of the step, for every group, replayed
         # ones included, so a_i always measures the move away from the current anchor.

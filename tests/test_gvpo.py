@@ -144,3 +144,17 @@ def test_a_replayed_group_keeps_the_rollout_correction_of_its_own_step(tmp_path,
     weights = torch.cat([w.flatten() for w in steps])
     assert sum(len(w) for w in steps) == 16 + 32 + 32  # steps 1 and 2: 16 fresh rows, then the 16 replayed
     torch.testing.assert_close(weights, torch.ones_like(weights), rtol=0, atol=1e-4)
+
+
+def test_a_resume_with_the_rollout_correction_turned_on_weights_the_replayed_groups_by_1(tmp_path, monkeypatch):
+    """Groups replayed from a checkpoint saved without the correction (on a CPU `auto` is none) carry no weights;
+    resumed with --rollout-correction tis (or --vllm, which makes `auto` tis), they are weighted by 1, as they
+    were trained when they were sampled (it stopped with an AttributeError)."""
+    settings = dict(prompts_per_step=4, group_size=4, eval_every=0, reuse_steps=1, save_every=2, updates_per_rollout=1,
+                    output_dir=str(tmp_path), run_name="c")
+    gvpo.main(gvpo.Args(num_steps=2, **settings))
+    steps, real = [], gvpo.reweighted
+    monkeypatch.setattr(gvpo, "reweighted", lambda logprobs, weights: steps.append(weights) or real(logprobs, weights))
+    gvpo.main(gvpo.Args(num_steps=3, resume="latest", rollout_correction="tis", **settings))
+    weights = torch.cat(steps)  # (32, T): 16 fresh rows, then the 16 replayed from step 1
+    assert weights.shape[0] == 32 and torch.equal(weights[16:], torch.ones_like(weights[16:]))
