@@ -1487,9 +1487,17 @@ def save_checkpoint(path: Path, modules: dict[str, torch.nn.Module], tokenizer, 
     except BaseException as error:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        failures = error.failures.values() if isinstance(error, dcp.CheckpointException) else ()
-        if any(isinstance(failure, KeyboardInterrupt) for failure, *_ in failures):
+        failures = [f for f, *_ in error.failures.values()] if isinstance(error, dcp.CheckpointException) else []
+        if any(isinstance(failure, KeyboardInterrupt) for failure in failures):
             raise KeyboardInterrupt from None  # a Ctrl-C that DCP's writer caught is a Ctrl-C
+        failure = (failures or [error])[0]
+        if isinstance(failure, OSError) or "(os error" in str(failure):  # (safetensors' I/O errors come from Rust)
+            size = sum(t.numel() * t.element_size() for t in [*modules["policy"].parameters(), *(  # export + state
+                p for m in modules.values() for p in m.parameters() if p.requires_grad and optimizer), *(
+                t for state in (optimizer.state.values() if optimizer else ()) for t in state.values())]
+                if torch.is_tensor(t))
+            raise OSError(f"cannot write {path}: {failure} (a checkpoint here takes about {size / 2**20:.1f} MiB; "
+                          f"{shutil.disk_usage(path.parent).free / 2**20:.1f} MiB are free)") from None
         raise
     if rank == 0 and keep > 0:
         for old in [p for p in _step_folders(path.parent) if _read_info(p).get("resumable")][:-keep]:

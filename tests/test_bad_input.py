@@ -86,6 +86,8 @@ LATER = {
     "shard": ("a 0-byte or raw-pickle shard of the resumable state", "cannot restore it: "),
     "full": ("a full disk while `--resume latest` cuts `metrics.jsonl` back to the checkpoint's step",
              "[Errno 28] No space left on device"),
+    "full save": ("a full disk while a step checkpoint or `final/` is written (the checkpoint's folder, its size and "
+                  "the space free)", "error: cannot write "),
     "exit": ("a `--reward-fn` that calls `sys.exit(0)`",
              "called sys.exit(0). A reward function must return its values"),
 }
@@ -370,6 +372,34 @@ def test_a_full_disk_during_a_resume_names_the_file_and_keeps_the_metrics(tmp_pa
     (small_disk / "filler").unlink()
     grpo.main(cli(grpo.Args, args=argv[1:]))
     assert [m["step"] for m in read_metrics(run_dir)] == list(range(8))
+
+
+def fill(disk: Path, leave: int = 0) -> None:
+    """Take every block of `disk` but `leave` bytes."""
+    with open(disk / "filler", "wb", buffering=0) as filler:
+        try:
+            while True:
+                filler.write(b"\0" * 4096)
+        except OSError:
+            pass
+        os.truncate(filler.fileno(), max(0, filler.tell() - leave))
+
+
+@pytest.mark.parametrize("save_every, written", [(1, "step_1"), (0, "final")])
+def test_a_full_disk_during_a_save_is_one_line_naming_the_folder_and_the_space(small_disk, save_every, written):
+    """DCP's writer gathers the OS's error into a CheckpointException, and safetensors' Rust code raises its own
+    SafetensorError: each was a traceback. Now one OSError (one line from __main__) naming the checkpoint, what it
+    takes and what is free; the half-written folder is removed."""
+    fill(small_disk, leave=256 * 1024)  # room for config.json and metrics.jsonl, not for the tiny model's 1.6 MB
+    argv = small(small_disk, "--run-name", "r", "--save-every", str(save_every), steps=1)
+    with pytest.raises(OSError) as stopped:
+        grpo.main(cli(grpo.Args, args=argv[1:]))
+    message = str(stopped.value)
+    assert message.startswith(f"cannot write {small_disk / 'runs' / 'r' / written}: ") and "\n" not in message
+    assert re.search(r"No space left on device.*a checkpoint here takes about \d+\.\d MiB; 0\.\d MiB are free",
+                     message), message
+    assert not list((small_disk / "runs" / "r").glob(f"{written}*"))
+    assert LATER["full save"][1] == "error: " + message[:len(LATER["full save"][1]) - len("error: ")]
 
 
 EXITS = """
