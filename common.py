@@ -465,7 +465,7 @@ def _jsonl_records(source: str, flag: str):
         for line_no, raw in enumerate(f, 1):
             try:
                 if raw.strip():
-                    yield f"{path}:{line_no}", json.loads(raw.decode("utf-8"))
+                    yield f"{path}:{line_no}", json.loads(raw.decode("utf-8-sig" if line_no == 1 else "utf-8"))
             except UnicodeDecodeError as e:
                 raise UsageError(f"{path}:{line_no}: not UTF-8 ({e.reason} at byte {e.start}). Save it as UTF-8.") \
                     from None
@@ -552,7 +552,11 @@ def fit_prompts(train: list[dict], held_out: list[dict], tokenizer, args) -> tup
     fitted = []
     for examples, what in ((train, "training data"), (held_out, "held-out data")):
         texts = [format_prompt(tokenizer, e["prompt"], args.chat_template) for e in examples]
-        lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids] if texts else []
+        try:
+            lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids] if texts else []
+        except Exception as e:  # the default tiny model's tokenizer knows only the built-in tasks' characters
+            raise UsageError(f"--model {args.model}: its tokenizer cannot encode the {what} ({e}). Pass a --model "
+                             "whose tokenizer covers your data.") from None
         fitted.append([e for e, n in zip(examples, lengths) if 0 < n <= limit])
         if examples and not fitted[-1]:
             raise UsageError(f"{what}: all {len(examples)} prompts are empty or {why}. Raise --max-prompt-length, "
@@ -1349,7 +1353,8 @@ def _on_rank_0(fn, rank: int, *args):
 def _find_run_dir(run_info: dict) -> tuple[Path, Path | None]:
     config = run_info["config"]
     resume, run_name, output = config["resume"], config["run_name"], Path(config["output_dir"])
-    run_dir = output / (run_name or f"{Path(run_info['algorithm']).stem}__{config['seed']}__{int(time.time())}")
+    run_dir = output / (run_name or  # the process id tells apart runs of a sweep started in the same second
+                        f"{Path(run_info['algorithm']).stem}__{config['seed']}__{int(time.time())}__{os.getpid()}")
     checkpoint = None
     if resume == "latest":
         if run_name is None:

@@ -87,7 +87,7 @@ class ExperimentFlags:
     seed: int = 1
     """seed of the data order, the sampling and evaluation"""
     run_name: Optional[str] = None
-    """metrics and checkpoints go to <output-dir>/<run-name>; left out: <file>__<seed>__<unix time>"""
+    """metrics and checkpoints go to <output-dir>/<run-name>; left out: <file>__<seed>__<unix time>__<pid>"""
     output_dir: str = "runs"
     """folder of all runs"""
     track: bool = False

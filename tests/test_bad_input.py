@@ -47,6 +47,9 @@ AT_START_UP = [
     ("`--lora-targets` of a kind peft cannot adapt", ["--lora-rank", "8", "--lora-targets", "input_layernorm"],
      "--lora-targets input_layernorm: Target module Qwen3RMSNorm((128,), eps=1e-06) is not supported"),
     ("non-UTF-8 bytes in a JSONL file", ["--dataset", "{tmp}/latin1.jsonl"], "latin1.jsonl:2: not UTF-8"),
+    ("real text (capitals, other scripts) with the default tiny model: `--model` forgotten",
+     ["--dataset", "{tmp}/words.jsonl", "--eval-size", "4"], ": its tokenizer cannot encode the training data"
+     " (WordLevel error: Missing [UNK] token from the vocabulary). Pass a --model"),
     ("`--run-name ../x`", ["--run-name", "../x"], "--run-name '../x': must be a folder name under --output-dir"),
     ("`--run-name` an absolute path", ["--run-name", "/tmp/x"], "--run-name '/tmp/x': must be a folder name"),
     ("`--task chain` with `--dataset`", ["--task", "chain", "--dataset", "{tmp}/train.jsonl"],
@@ -116,6 +119,8 @@ HANDLED = [
 def make_inputs(tmp: Path) -> None:
     rows = [{"prompt": f"{a}+1", "answer": str(a + 1)} for a in range(20)]
     (tmp / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp / "words.jsonl").write_text("".join(json.dumps({"prompt": f"What is {a} + 1? Réponds.", "answer": str(a + 1)})
+                                             + "\n" for a in range(20)))
     (tmp / "latin1.jsonl").write_bytes(b'{"prompt": "1+1", "answer": "2"}\n{"prompt": "\xe9", "answer": "1"}\n')
     (tmp / "script_data").mkdir()
     (tmp / "script_data" / "script_data.py").write_text(f"open({str(tmp / 'code-ran')!r}, 'w')\n")

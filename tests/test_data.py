@@ -43,6 +43,14 @@ def test_jsonl_bad_rows_stop_naming_file_and_line(tmp_path, bad, message):
         load_data(path, None, 1)
 
 
+def test_jsonl_with_a_utf8_bom_is_read_as_utf8(tmp_path):
+    """Windows editors start a UTF-8 file with a byte-order mark; it is not part of the first row."""
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b"".join(json.dumps(r).encode() + b"\n" for r in GSM8K_LIKE[:4]))
+    train, held_out = load_data(str(path), None, 1, prompt_field="question")
+    assert train[0] == {"prompt": "what is 10 plus 0?", "answer": "10 + 0 = 10\n#### 10"} and len(held_out) == 1
+
+
 def test_jsonl_that_is_not_utf8_names_the_line(tmp_path):
     not_utf8 = b'{"prompt": "\xff", "answer": "1"}\n'
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1", "answer": "2"}], raw=not_utf8)

@@ -240,6 +240,19 @@ def test_two_runs_started_together_with_one_name(tmp_path):
     assert [m["step"] for m in read_metrics(tmp_path / "same")] == [0, 1, 2]
 
 
+def test_two_runs_started_together_without_a_run_name_each_get_a_folder(tmp_path):
+    """A sweep from a script starts runs in the same second: the default name (file, seed, time) had no more
+    to tell them apart, so the second stopped, told to choose a --run-name it never passed."""
+    args = ["grpo.py", "--num-steps", "1", "--prompts-per-step", "4", "--group-size", "2", "--eval-every", "0",
+            "--output-dir", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, str(ROOT / args[0]), *args[1:]], cwd=tmp_path, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [(proc.wait(timeout=1800), proc.stderr.read()) for proc in procs]
+    assert [code for code, _ in results] == [0, 0], results
+    assert len([p for p in tmp_path.glob("grpo__1__*") if (p / "final").is_dir()]) == 2
+
+
 def test_resuming_an_earlier_checkpoint_starts_a_new_run_folder(tmp_path):
     """step_2 of a 6-step run is not its newest checkpoint: the resumed run goes on in a new folder, which
     starts with the run's metrics before step 2, and leaves that run as it was; --run-name of that run is
