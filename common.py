@@ -177,6 +177,8 @@ def setup_distributed(timeout_minutes: float = 60) -> tuple[int, int, torch.devi
     if world_size > 1:
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
                                 timeout=datetime.timedelta(minutes=timeout_minutes))
+    if rank > 0:  # transformers' progress bars (loading, saving): rank 0's alone, as for every other line
+        transformers.utils.logging.disable_progress_bar()
     return rank, world_size, device
 
 

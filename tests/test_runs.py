@@ -45,6 +45,7 @@ def test_torchrun_two_ranks_smoke(tmp_path):
     assert [m["step"] for m in metrics] == [0, 1, 2]
     assert 0 <= metrics[-1]["eval/accuracy"] <= 1
     assert result.stdout.count("step    1/2 |") == 1  # rank 0 logs, rank 1 is quiet
+    assert result.stderr.count("Loading weights: 100%") == 2  # and only rank 0 shows the policy's and reference's
 
 
 def test_fsdp_two_ranks_smoke(tmp_path):
