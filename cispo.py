@@ -352,9 +352,8 @@ def main(args: Args) -> None:
                               else rollout_logprobs(model, b_rollout, args.temperature, args.micro_batch_size))
 
         # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
-        update_start = time.perf_counter()
+        update_start, update_metrics = time.perf_counter(), []
         minibatch_size = max(1, -(-len(b_ids) // args.num_minibatches))  # ceil: a batch of any size splits
-        update_metrics = []
         for epoch in range(args.updates_per_rollout):
             # --- algorithm: the minibatches: a fresh shuffle of the sequences each pass ---
             b_order = torch.randperm(len(b_ids), device=device)
