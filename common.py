@@ -472,8 +472,7 @@ def _jsonl_records(source: str, flag: str):
                 raise UsageError(f"{path}:{line_no}: not UTF-8 ({e.reason} at byte {e.start}). Save it as UTF-8.") \
                     from None
             except ValueError as e:
-                raise UsageError(f"{path}:{line_no}: not valid JSON ({e}). Each line must be one JSON object.") \
-                    from None
+                raise UsageError(f"{path}:{line_no}: not valid JSON ({e}). Each line must be one object.") from None
 
 
 def _dataset_records(source: str, flag: str, config: str | None, split: str | None):
@@ -597,9 +596,8 @@ def _epoch_order(num_examples: int, seed: int) -> list[int]:
 
 
 def final_answer(text: str) -> str | None:
-    """A completion's final answer: its last \\boxed{...}, else the number right after its last '####' (GSM8K; the
-    first line when it is not a number); '' when it opens one and does not finish it (cut off: no answer, never an
-    earlier number); None when it has neither (the whole completion is graded)."""
+    """A completion's final answer: its last \\boxed{...}, else the number right after its last '####' (else the line);
+    '' when it opens one and does not finish it (cut off: no answer, never an earlier number); None for neither."""
     start = text.rfind("\\boxed{")
     if start >= 0:
         depth, i = 1, start + len("\\boxed{")
@@ -615,11 +613,9 @@ def final_answer(text: str) -> str | None:
     return number[1] if number else line.strip()
 
 
-# A plain number: digits (commas between groups of three), decimals, and e-notation, \times 10^{n} or a denominator.
-# Exponents have at most 9 digits and a denominator 100: Decimal keeps 1e99999999 exact and cheap; a Fraction of it
-# took minutes.
-NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d{1,9}|\s*\\(?:times|cdot)\s*10\^(?:\{[-+]?\d{1,9}\}|\d)" \
-    r"|/\d{1,100})?"
+# A plain number; at most 9 digits of exponent, kept exact and cheap by Decimal (a Fraction of 1e99999999 took minutes)
+NUMBER = (r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"  # digits (commas between groups of three), decimals, then
+          r"(?:[eE][-+]?\d{1,9}|\s*\\(?:times|cdot)\s*10\^(?:\{[-+]?\d{1,9}\}|\d)|/\d+)?")  # 1e3, \times 10^{3} or /4
 
 
 def _to_number(text: str) -> Fraction | Decimal | None:
@@ -629,16 +625,14 @@ def _to_number(text: str) -> Fraction | Decimal | None:
     text = re.sub(r"^(-?)\\[dt]?frac\{(\d+)\}\{(\d+)\}$", r"\1\2/\3", text.strip())
     if len(text) > 200 or not re.fullmatch(NUMBER, text):
         return None
-    text = re.sub(r"\s*\\(?:times|cdot)\s*10\^\{?([-+]?\d+)\}?", r"e\1", text.replace(",", ""))
-    text, _, denominator = text.partition("/")
-    return Fraction(text) / int(denominator) if denominator else Decimal(text)
+    text, _, over = re.sub(r"\s*\\(times|cdot)\s*10\^\{?([-+]?\d+)\}?", r"e\2", text.replace(",", "")).partition("/")
+    return Fraction(text) / int(over) if over else Decimal(text)  # over: a fraction's denominator
 
 
 def math_reward(completion: str, answer: str) -> bool:
-    """Is `completion` right, for a gold `answer` such as '72', '\\frac{1}{2}', '(1, 3]' or GSM8K's 'reasoning
-    #### 72'? Its final answer (or the whole completion) is compared: plain numbers exactly (a gold float's 16-17
-    digit repr at a float's precision), a base like '10001_2' as text, anything else by math-verify (fractions,
-    roots, pi, units, intervals, tuples, sets, equations) with its own timeouts. The rules: docs/data.md."""
+    """Is `completion` right, for a gold `answer` such as '72', '\\frac{1}{2}', '(1, 3]' or GSM8K's 'reasoning #### 72'?
+    Its final answer (or the whole completion) is compared: plain numbers exactly, a base like '10001_2' as text,
+    anything else by math-verify (roots, pi, units, intervals, sets, equations). The rules: docs/data.md."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
     gold, stated = answer.rsplit("####", 1)[-1].strip(), final_answer(completion)
@@ -653,10 +647,9 @@ def math_reward(completion: str, answer: str) -> bool:
         if exponent < 0 and len(digits) >= 16 and Decimal(repr(float(numbers[0]))) == numbers[0]:  # a float's repr
             return float(numbers[0]) == float(numbers[1])  # (JSON): its exact value was lost, so a float's precision
         return numbers[0] == numbers[1]
-    if numbers[0] is not None:  # as LaTeX, which math-verify reads exactly ('1.5e3' would be 1.5 times a symbol e)
-        sign, digits, exponent = numbers[0].as_tuple() if isinstance(numbers[0], Decimal) else (0, (), 0)
-        gold = f"{'-' * sign}{''.join(map(str, digits))} \\times 10^{{{exponent}}}" if digits else \
-            f"\\frac{{{numbers[0].numerator}}}{{{numbers[0].denominator}}}"
+    if isinstance(numbers[0], Decimal):  # as exact LaTeX for math-verify ('1.5e3' would be 1.5 times a symbol e)
+        sign, digits, exponent = numbers[0].as_tuple()
+        gold = f"{'-' * sign}{''.join(map(str, digits))} \\times 10^{{{exponent}}}"
     extraction = [LatexExtractionConfig(), ExprExtractionConfig()]
     return verify(parse(gold if "\\boxed" in gold or re.search(r"(?<!\\)\$", gold) else f"${gold}$", extraction),
                   parse(completion if stated is None else f"\\boxed{{{stated}}}", extraction))
@@ -731,8 +724,7 @@ def score(examples: list[dict], completions: list[str], group_size: int, exact: 
           reward_fn=None, reward_fn_spec: str = "") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Total reward (B,) = correct + format_weight * format + user reward, and each component (B,), of the
     completions of `examples` ({"prompt", "answer"}): `group_size` of each, stored contiguously."""
-    prompts = [e["prompt"] for e in examples for _ in range(group_size)]
-    answers = [e["answer"] for e in examples for _ in range(group_size)]
+    prompts, answers = ([e[key] for e in examples for _ in range(group_size)] for key in ("prompt", "answer"))
     components = {"correct": correctness_reward(completions, answers, exact)}
     if format_weight:
         components["format"] = format_reward(completions, exact)
@@ -804,9 +796,8 @@ def cat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
 def select_rows(rollout: Rollout, rows: torch.Tensor) -> Rollout:
     """The rollout restricted to `rows` (indices or a boolean mask over the B rows)."""
     rows = (rows.nonzero().squeeze(-1) if rows.dtype == torch.bool else rows).to(rollout.input_ids.device)
-    return Rollout(rollout.input_ids[rows], rollout.attention_mask[rows], rollout.response_mask[rows],
-                   rollout.prompt_length, [rollout.texts[i] for i in rows.tolist()], rollout.truncated[rows],
-                   rollout.sampler_logprobs[rows])
+    return Rollout(**{key: value[rows] if torch.is_tensor(value) else [value[i] for i in rows.tolist()]
+                      if isinstance(value, list) else value for key, value in vars(rollout).items()})
 
 
 def given_rollout(tokenizer, prompts: list[str], completions: list[str], max_new_tokens: int,
@@ -817,11 +808,8 @@ def given_rollout(tokenizer, prompts: list[str], completions: list[str], max_new
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     ids = [x[:max_new_tokens] for x in tokenizer([c + tokenizer.eos_token for c in completions],
                                                   add_special_tokens=False).input_ids]
-    lengths = torch.tensor([len(x) for x in ids])
-    response = torch.full((len(ids), int(lengths.max())), tokenizer.pad_token_id)
-    for i, x in enumerate(ids):
-        response[i, : len(x)] = torch.tensor(x)
-    response_mask = (torch.arange(response.shape[1])[None] < lengths[:, None]).float()
+    response = torch.nn.utils.rnn.pad_sequence([torch.tensor(x) for x in ids], True, tokenizer.pad_token_id)
+    response_mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(x)) for x in ids], True)  # (B, L)
     truncated = torch.tensor([x[-1] != tokenizer.eos_token_id for x in ids])
     return Rollout(torch.cat([enc.input_ids, response], 1).to(device),
                    torch.cat([enc.attention_mask, response_mask.long()], 1).to(device), response_mask.to(device),
@@ -1193,8 +1181,7 @@ def peak_memory_gb(device: torch.device) -> float:
 def peak_rss_bytes() -> int:
     """This process's peak resident memory: /proc's VmHWM, as Linux carries `ru_maxrss` over fork and exec (a
     process started by a larger one would report that one's); ru_maxrss elsewhere (bytes on macOS)."""
-    status = Path("/proc/self/status")
-    if not status.exists():
+    if not (status := Path("/proc/self/status")).exists():
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return next(int(line.split()[1]) for line in status.read_text().splitlines() if line.startswith("VmHWM:")) * 1024
 
@@ -1236,9 +1223,8 @@ class Logger:
         metrics = all_reduce_mean(metrics)
         if not self.enabled:
             return
-        self.file.write(json.dumps({"step": step, **{k: v if math.isfinite(v) else None for k, v in metrics.items()}})
-                        + "\n")
-        self.file.flush()
+        print(json.dumps({"step": step, **{k: v if math.isfinite(v) else None for k, v in metrics.items()}}),
+              file=self.file, flush=True)
         shown = " | ".join(f"{k} {metrics[k]:.4g}" for k in self.SHOWN if k in metrics)
         if self.num_steps is not None:  # the ETA from the mean time of the steps this process ran
             self.first_step = step if self.first_step is None else self.first_step
@@ -1499,10 +1485,8 @@ def save_checkpoint(path: Path, modules: dict[str, torch.nn.Module], tokenizer, 
             raise KeyboardInterrupt from None  # a Ctrl-C that DCP's writer caught is a Ctrl-C
         failure = (failures or [error])[0]
         if isinstance(failure, OSError) or "(os error" in str(failure):  # (safetensors' I/O errors come from Rust)
-            size = sum(t.numel() * t.element_size() for t in [*modules["policy"].parameters(), *(  # export + state
-                p for m in modules.values() for p in m.parameters() if p.requires_grad and optimizer), *(
-                t for state in (optimizer.state.values() if optimizer else ()) for t in state.values())]
-                if torch.is_tensor(t))
+            trained = [p for m in modules.values() for p in m.parameters() if p.requires_grad] if optimizer else []
+            size = sum(t.numel() * t.element_size() for t in [*modules["policy"].parameters(), *trained * 3])  # Adam: 2
             raise OSError(f"cannot write {path}: {failure} (a checkpoint here takes about {size / 2**20:.1f} MiB; "
                           f"{shutil.disk_usage(path.parent).free / 2**20:.1f} MiB are free)") from None
         raise

@@ -87,12 +87,9 @@ def to_rows(config: str, seed: int, metrics: list[dict], completions_per_round: 
 
 
 def read_csv(path: Path) -> list[dict]:
-    def parse(key: str, value: str):
-        if key == "config":
-            return value
-        if value == "":
-            return None
-        return int(value) if key in ("seed", "step", "completions") else float(value)  # 'nan' too
+    def parse(key: str, value: str):  # 'nan' is a float too
+        return value if key == "config" else None if value == "" else \
+            int(value) if key in ("seed", "step", "completions") else float(value)
 
     with open(path, newline="") as f:
         return [{k: parse(k, v) for k, v in row.items()} for row in csv.DictReader(f)]
@@ -135,14 +132,13 @@ def summarize(rows: list[dict], target: float) -> list[dict]:
         def at_target(key: str, fmt: str) -> str:
             return format(statistics.mean(h[key] for h in reached), fmt) if reached else "-"
 
-        table.append({
-            "config": config, "seeds": len(seeds), "steps": finals[0]["step"],
-            "final": mean_std([f["eval_accuracy"] for f in finals]),
-            "final_greedy": mean_std([f["eval_accuracy_greedy"] for f in finals]),
-            "reached": f"{len(reached)}/{len(seeds)}", "steps_to_target": at_target("step", ".0f"),
-            "wall_to_target": at_target("wall_s", ".0f"), "completions_to_target": at_target("completions", ".0f"),
-            "train_s": f"{statistics.mean(f['wall_s'] for f in finals):.0f}",
-        })
+        table.append({"config": config, "seeds": len(seeds), "steps": finals[0]["step"],
+                      "final": mean_std([f["eval_accuracy"] for f in finals]),
+                      "final_greedy": mean_std([f["eval_accuracy_greedy"] for f in finals]),
+                      "reached": f"{len(reached)}/{len(seeds)}", "steps_to_target": at_target("step", ".0f"),
+                      "wall_to_target": at_target("wall_s", ".0f"),
+                      "completions_to_target": at_target("completions", ".0f"),
+                      "train_s": f"{statistics.mean(f['wall_s'] for f in finals):.0f}"})
     return table
 
 

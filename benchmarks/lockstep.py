@@ -34,6 +34,7 @@ import importlib
 import json
 import multiprocessing
 import os
+import shlex
 import shutil
 import statistics
 import sys
@@ -272,11 +273,9 @@ def compare(file: str, against: str, model: str, shape: Shape, rounds: int, warm
 
 def summary(rounds: list[dict]) -> dict:
     times = [r["round_s"] for r in rounds]
-    figures = {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
-    for key in ("gen_s", "logprobs_s", "update_s", "rollout_s"):
-        if key in rounds[0]:
-            figures[key] = statistics.median(r[key] for r in rounds)
-    return figures
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)} | {
+        key: statistics.median(r[key] for r in rounds) for key in ("gen_s", "logprobs_s", "update_s", "rollout_s")
+        if key in rounds[0]}
 
 
 def print_comparison(result: dict, shape: Shape, rounds: int, warmup: int) -> None:
@@ -309,8 +308,6 @@ class Args:
 
 
 def main(args: Args) -> None:
-    import shlex
-
     shape = SHAPES[args.shape]
     with tempfile.TemporaryDirectory() as tmp:
         model = str(ROOT / "tiny_model")

@@ -65,14 +65,9 @@ class Shape:
 
 
 # Qwen2.5 shapes (layers, hidden, MLP, heads, KV heads; from the published configs, recalled, not read here)
-QWEN = [
-    Shape("0.5B", 24, 896, 4864, 14, 2, tied=True),
-    Shape("1.5B", 28, 1536, 8960, 12, 2, tied=True),
-    Shape("3B", 36, 2048, 11008, 16, 2, tied=True),
-    Shape("7B", 28, 3584, 18944, 28, 4),
-    Shape("14B", 48, 5120, 13824, 40, 8),
-    Shape("32B", 64, 5120, 27648, 40, 8),
-]
+QWEN = [Shape("0.5B", 24, 896, 4864, 14, 2, tied=True), Shape("1.5B", 28, 1536, 8960, 12, 2, tied=True),
+        Shape("3B", 36, 2048, 11008, 16, 2, tied=True), Shape("7B", 28, 3584, 18944, 28, 4),
+        Shape("14B", 48, 5120, 13824, 40, 8), Shape("32B", 64, 5120, 27648, 40, 8)]
 
 
 def activation_bytes(shape: Shape, tokens: int, w: int, checkpointing: bool) -> float:
@@ -120,11 +115,8 @@ def table(micro_batch: int, seq: int, rollout_seqs: int) -> None:
 
 # --- the check on CPU ------------------------------------------------------------------------------
 
-TINY = [  # (layers, hidden, MLP, batch, seq): weights-heavy, activation-heavy, and in between
-    (4, 512, 2048, 2, 128),
-    (2, 256, 1024, 16, 512),
-    (8, 384, 1536, 8, 256),
-]
+# (layers, hidden, MLP, batch, seq): weights-heavy, activation-heavy, and in between
+TINY = [(4, 512, 2048, 2, 128), (2, 256, 1024, 16, 512), (8, 384, 1536, 8, 256)]
 
 
 def measure_one(layers: int, hidden: int, intermediate: int, batch: int, seq: int, checkpointing: bool) -> None:

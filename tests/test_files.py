@@ -84,6 +84,18 @@ def test_most_of_grpo_is_shared():
     assert len(free_lines(base)) / len(base) < 0.5
 
 
+def test_the_shared_code_stays_within_its_sizes():
+    """The project's budgets (README): common.py, the whole shared plumbing, at most 1,600 lines whatever is
+    added (a new feature pays for its lines elsewhere); benchmarks/ at most 1,000; grpo.py's main, the loop a
+    reader reads top to bottom, at most 130 lines with its def line."""
+    assert len(read("common.py")) <= 1600
+    assert sum(len(path.read_text().splitlines()) for path in (ROOT / "benchmarks").glob("*.py")) <= 1000
+    base = read("grpo.py")
+    start = base.index("def main(args: Args) -> None:\n")
+    end = next(i for i in range(start + 1, len(base)) if base[i].strip() and not base[i].startswith((" ", "\n")))
+    assert len("".join(base[start:end]).rstrip("\n").splitlines()) <= 130
+
+
 def test_the_check_catches_a_changed_shared_line():
     base = read("grpo.py")
     changed = [line.replace("trained, tokenizer, rank", "policy, tokenizer, rank") for line in base]  # step 7
