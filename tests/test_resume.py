@@ -488,7 +488,7 @@ def one_step_run(tmp_path_factory) -> tuple[Path, list[str]]:
     out = tmp_path_factory.mktemp("end")
     args = ["grpo.py", "--num-steps", "1", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "1",
             "--eval-size", "8", "--save-every", "1", "--output-dir", str(out), "--run-name", "whole"]
-    assert (result := run(args, cwd=out)).returncode == 0, result.stderr
+    grpo.main(cli(grpo.Args, args=args[1:]))
     return out / "whole", args
 
 
