@@ -136,12 +136,26 @@ def test_a_cpu_run_on_several_ranks_ends_without_interpreter_teardown(tmp_path):
 
 
 def one_step(tmp_path: Path, algo: str, name: str, dataset: Path, extra: list[str], torchrun: int = 0):
-    """One rollout (2 optimizer updates) with sampling pinned per prompt; returns (new weights, metrics)."""
-    args = ["tests/pinned_run.py", algo, "--dataset", str(dataset), "--eval-size", "4", "--num-steps", "1",
-            "--prompts-per-step", "8", "--group-size", "4", "--eval-every", "0", "--output-dir", str(tmp_path),
-            "--run-name", name, "--learning-rate", "1e-3", *extra]
-    result = run(args, cwd=Path(__file__).parent.parent, torchrun=torchrun)
-    assert result.returncode == 0, result.stderr
+    """One rollout (2 optimizer updates) with sampling pinned per prompt; returns (new weights, metrics).
+    On 1 process the run is tests/pinned_run.py's, in this process (no Python start-up and imports, ~8 s);
+    on ranks, the script under torchrun."""
+    import importlib
+
+    from pinned_run import pinned_generate
+
+    from common import cli
+
+    flags = ["--dataset", str(dataset), "--eval-size", "4", "--num-steps", "1", "--prompts-per-step", "8",
+             "--group-size", "4", "--eval-every", "0", "--output-dir", str(tmp_path), "--run-name", name,
+             "--learning-rate", "1e-3", *extra]
+    if torchrun:
+        result = run(["tests/pinned_run.py", algo, *flags], cwd=Path(__file__).parent.parent, torchrun=torchrun)
+        assert result.returncode == 0, result.stderr
+    else:
+        module = importlib.import_module(algo)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(module, "generate", pinned_generate)  # what tests/pinned_run.py does
+            module.main(cli(module.Args, args=flags))
     return load_file(tmp_path / name / "final" / "model.safetensors"), read_metrics(tmp_path / name)[0]
 
 
