@@ -6,6 +6,12 @@ from pathlib import Path
 
 import pytest
 
+# One thread a process: pytest.ini runs the suite on 2 workers (pytest-xdist -n 2), each running its tests'
+# trainings in-process or in subprocesses (which inherit this); two runs of 2 threads each on 2 cores would
+# fight. Set before torch is imported (its thread pool reads them); torchrun gives each rank 1 thread too.
+# The learning tests' numbers were measured so.
+os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
@@ -76,3 +82,27 @@ def mixed_dataset(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "mixed.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def pytest_collection_modifyitems(config, items):
+    """The long tests first, so that the 2 workers end together on short ones instead of one waiting for the
+    other's last training run: the slow tests without vLLM, then vLLM's (whose environment the background
+    build below has had minutes to finish), then the rest. A stable sort: each group in its files' order."""
+    def rank(item) -> int:
+        if "vllm_python" in getattr(item, "fixturenames", ()):
+            return 1
+        return 0 if item.get_closest_marker("slow") else 2
+
+    items.sort(key=rank)
+
+
+def pytest_collection_finish(session):
+    """Where vLLM tests are to run and vLLM's CPU environment is not built yet, start its build now, in the
+    background (tests/vllm_env.py, 1-3 minutes, mostly downloads), so that it overlaps the tests before
+    them; their fixture waits for it on the build's file lock. Each xdist worker may start one: the second
+    waits on the lock and finds the environment complete."""
+    from vllm_env import is_complete
+
+    if any("vllm_python" in getattr(item, "fixturenames", ()) for item in session.items) and not is_complete():
+        subprocess.Popen([sys.executable, str(ROOT / "tests" / "vllm_env.py")], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

