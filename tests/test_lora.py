@@ -6,6 +6,7 @@ checkpoints hold the adapters and their optimizer state; final/ holds the merged
 anywhere, and the adapters in final/adapter/ for PeftModel.from_pretrained."""
 
 import copy
+import importlib
 import json
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from common import (
     DEFAULT_MODEL,
     AdaptersOff,
     add_lora,
+    cli,
     format_prompt,
     generate,
     get_logprobs,
@@ -92,9 +94,14 @@ def test_the_reference_is_the_base_model_without_a_copy():
 
 
 def lora_run(tmp_path: Path, algo: str, name: str, *flags: str, torchrun: int = 0) -> Path:
-    result = run([f"{algo}.py", *LORA, "--num-steps", "2", "--prompts-per-step", "4", "--group-size", "4",
-                  "--eval-every", "0", "--learning-rate", "2e-3", "--output-dir", str(tmp_path), "--run-name", name,
-                  *flags], cwd=tmp_path, torchrun=torchrun)
+    """A short LoRA run of `algo`: in this process (one rank), or launched by torchrun on `torchrun` ranks."""
+    args = [*LORA, "--num-steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0",
+            "--learning-rate", "2e-3", "--output-dir", str(tmp_path), "--run-name", name, *flags]
+    if not torchrun:
+        module = importlib.import_module(algo)
+        module.main(cli(module.Args, args=args))
+        return tmp_path / name
+    result = run([f"{algo}.py", *args], cwd=tmp_path, torchrun=torchrun)
     assert result.returncode == 0, result.stderr
     return tmp_path / name
 

@@ -182,7 +182,7 @@ def test_metrics_of_the_sequence_modes_count_completions():
 
 
 def run_with_sampler_temperature(tmp_path, monkeypatch, name: str, factor: float, flags: list[str],
-                                 algo: str = "grpo") -> list[dict]:
+                                 algo: str = "grpo", steps: int = 2) -> list[dict]:
     """A file's metrics when its sampler draws at `factor` times the temperature the trainer assumes: a
     mismatched sampler, as another engine's numerics make one, only larger."""
     from common import cli
@@ -194,7 +194,7 @@ def run_with_sampler_temperature(tmp_path, monkeypatch, name: str, factor: float
         return real(model, tokenizer, prompts, group_size, max_new_tokens, temperature * factor, *args, **kwargs)
 
     monkeypatch.setattr(module, "generate", mismatched)
-    module.main(cli(module.Args, args=["--num-steps", "2", "--eval-every", "0", "--output-dir", str(tmp_path),
+    module.main(cli(module.Args, args=["--num-steps", str(steps), "--eval-every", "0", "--output-dir", str(tmp_path),
                                        "--run-name", name, *flags]))
     return read_metrics(tmp_path / name)
 
@@ -224,15 +224,19 @@ def test_the_metrics_follow_the_formula_with_a_mismatched_sampler(tmp_path, monk
     """Sampled from pi_s, the untruncated weight pi_old / pi_s has expectation 1 at every position (the sum of
     pi_old over the vocabulary), so its mean over the tokens is ~1 however far pi_s is from pi_old; a cap
     then lowers it and truncates some tokens; MIS masks some. With the sampler the trainer's own, every
-    weight is 1."""
-    matched = run_with_sampler_temperature(tmp_path, monkeypatch, "matched", 1.0, ["--rollout-correction", "tis"])
-    untruncated = run_with_sampler_temperature(tmp_path, monkeypatch, "wide", 2.0,
-                                               ["--rollout-correction", "tis", "--correction-cap", "1e9"])
-    tis = run_with_sampler_temperature(tmp_path, monkeypatch, "tis", 2.0, ["--rollout-correction", "tis"])
-    mis = run_with_sampler_temperature(tmp_path, monkeypatch, "mis", 2.0, ["--rollout-correction", "mis"])
+    weight is 1. One step each, of 256 completions, one update: the metrics are the rollout's."""
+    def one_step(name: str, factor: float, *flags: str) -> list[dict]:
+        return run_with_sampler_temperature(tmp_path, monkeypatch, name, factor, ["--updates-per-rollout", "1",
+                                                                                  *flags], steps=1)
+
+    matched = one_step("matched", 1.0, "--rollout-correction", "tis")
+    untruncated = one_step("wide", 2.0, "--rollout-correction", "tis", "--correction-cap", "1e9")
+    tis = one_step("tis", 2.0, "--rollout-correction", "tis")
+    mis = one_step("mis", 2.0, "--rollout-correction", "mis")
     for m in matched:
         assert m["policy/correction_weight_mean"] == pytest.approx(1, abs=1e-5)
         assert m["policy/correction_truncated_frac"] == 0
+    assert len(matched) == len(untruncated) == 1
     for m_wide, m_tis, m_mis in zip(untruncated, tis, mis):
         assert m_wide["policy/sampler_logprob_gap"] > 0.1  # the sampler is far from the trainer
         assert m_wide["policy/correction_weight_mean"] == pytest.approx(1, abs=0.15)

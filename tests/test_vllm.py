@@ -126,8 +126,9 @@ def test_the_prefix_cache_is_emptied_when_the_weights_change(vllm_python, tmp_pa
 
 
 def test_grpo_learns_the_default_task_with_vllm(vllm_python, tmp_path):
-    """As test_runs.test_learns_the_default_task, sampling and evaluating with vLLM."""
-    result = run_vllm(vllm_python, ["grpo.py", "--vllm", "--num-steps", "50", "--eval-every", "50", "--output-dir",
+    """As test_runs.test_learns_the_default_task, sampling and evaluating with vLLM. Measured (seed 1, 1 thread):
+    held-out 0.352 at step 0, 0.502 at 10, 0.548 at 20, 0.578 at 30: 20 steps rise by 0.196."""
+    result = run_vllm(vllm_python, ["grpo.py", "--vllm", "--num-steps", "20", "--eval-every", "20", "--output-dir",
                                     str(tmp_path), "--run-name", "learn", "--seed", "1"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-5000:]
     evals = [m for m in read_metrics(tmp_path / "learn") if "eval/accuracy" in m]
@@ -138,7 +139,7 @@ def test_grpo_learns_the_default_task_with_vllm(vllm_python, tmp_path):
 
 @pytest.mark.parametrize("algo", ALGORITHMS)
 def test_every_file_runs_with_vllm(vllm_python, tmp_path, algo):
-    result = run_vllm(vllm_python, [f"{algo}.py", "--vllm", "--num-steps", "2", "--eval-every", "1",
+    result = run_vllm(vllm_python, [f"{algo}.py", "--vllm", "--num-steps", "2", "--eval-every", "2",
                                     "--eval-size", "50", "--prompts-per-step", "8", "--group-size", "4",
                                     "--output-dir", str(tmp_path), "--run-name", "r"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-5000:]
