@@ -142,8 +142,8 @@ def main(args: Args) -> None:
     if args.device_check:
         args.shapes, args.prompts, args.group_size, args.prompt_length, args.new_tokens = ["tiny"], 2, 2, 40, 8
         args.micro_batch_size, args.rounds = 4, 1
-    has_vllm = importlib.util.find_spec("vllm") is not None
-    device = "GPU " + torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    has_vllm, gpu = importlib.util.find_spec("vllm") is not None, torch.cuda.is_available()
+    device = "GPU " + torch.cuda.get_device_name() if gpu else "CPU"
     print(f"{device}; {args.prompts} prompts of {args.prompt_length} tokens x {args.group_size} completions of "
           f"{args.new_tokens} new tokens, micro-batches of {args.micro_batch_size}, {args.rounds} timed round(s) "
           f"after a warm-up{'' if has_vllm else '; vLLM is not installed: generate only'}", flush=True)
@@ -156,7 +156,8 @@ def main(args: Args) -> None:
                                         folder / "model")
             dataset(folder, args)
             results[shape] = {}
-            for name in SAMPLERS if has_vllm else ["generate"]:
+            # vllm_weights_freed on a GPU only: on a CPU vLLM never sleeps, so it would repeat the vllm run
+            for name in [n for n in SAMPLERS if has_vllm and (gpu or n != "vllm_weights_freed") or n == "generate"]:
                 figures = results[shape][name] = grpo_rounds(folder, args, config, name)
                 print(f"Qwen2.5-{shape} grpo.py {' '.join(SAMPLERS[name])}: " +
                       ", ".join(f"{k} {v:.4g}" for k, v in figures.items()), flush=True)

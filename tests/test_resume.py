@@ -137,7 +137,8 @@ def test_a_new_run_never_appends_to_another_runs_folder(tmp_path):
         grpo.main(args)
 
 
-@pytest.mark.parametrize("algo, mode", [("grpo", "ddp"), ("grpo", "fsdp"), ("ppo", "fsdp")])
+# DDP on 2 ranks: test_a_run_on_two_nodes_trains_saves_and_resumes (grpo.py, one rank on each of two launchers)
+@pytest.mark.parametrize("algo, mode", [("grpo", "fsdp"), ("ppo", "fsdp")])
 def test_two_rank_run_resumed_from_a_checkpoint_matches(tmp_path, algo, mode):
     """On 2 ranks each rank restores its own RNG state (its own sampling stream), and under FSDP only
     its own shards of the weights and optimizer state (PPO: of the policy and the critic): a copy of a

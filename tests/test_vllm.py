@@ -188,7 +188,7 @@ def test_the_gpu_check_runs_on_a_cpu(vllm_python, tmp_path):
     figures = json.loads(out.read_text())["tiny"]
     assert figures["generate"]["gen_tokens_per_s"] > 0 and figures["vllm"]["gen_tokens_per_s"] > 0
     assert figures["vllm"]["sampler_logprob_gap_max"] <= GAP  # fp32 on a CPU
-    assert figures["vllm_weights_freed"]["sampler_logprob_gap_max"] <= GAP
+    assert "vllm_weights_freed" not in figures  # on a CPU vLLM never sleeps: the same run as "vllm"
     assert "sampler_logprob_gap" in figures["generate"] and "correction_weight_mean" not in figures["generate"]
 
 
