@@ -356,29 +356,6 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(disk)], check=True)
 
 
-def test_a_full_disk_during_a_resume_names_the_file_and_keeps_the_metrics(tmp_path, finished_run, small_disk):
-    """The cut metrics file is written beside the old one before the old one is moved aside: a full disk stops
-    the resume with the OS's one line, metrics.jsonl as it was; with space again the resume goes on."""
-    shutil.copytree(finished_run, small_disk / "runs" / "r")
-    run_dir = small_disk / "runs" / "r"
-    shutil.rmtree(run_dir / "step_6")  # as if killed after logging step 5: the resume cuts steps 4 and 5 off
-    shutil.rmtree(run_dir / "final")
-    logged = (run_dir / "metrics.jsonl").read_bytes()
-    with open(small_disk / "filler", "wb", buffering=0) as filler:  # every block of the disk taken
-        try:
-            while True:
-                filler.write(b"\0" * 4096)
-        except OSError:
-            pass
-    argv = small(small_disk, "--run-name", "r", "--save-every", "2", "--resume", "latest", steps=8)
-    with pytest.raises(UsageError, match=re.escape(LATER["full"][1])):
-        grpo.main(cli(grpo.Args, args=argv[1:]))
-    assert (run_dir / "metrics.jsonl").read_bytes() == logged
-    (small_disk / "filler").unlink()
-    grpo.main(cli(grpo.Args, args=argv[1:]))
-    assert [m["step"] for m in read_metrics(run_dir)] == list(range(8))
-
-
 def fill(disk: Path, leave: int = 0) -> None:
     """Take every block of `disk` but `leave` bytes."""
     with open(disk / "filler", "wb", buffering=0) as filler:
@@ -388,6 +365,24 @@ def fill(disk: Path, leave: int = 0) -> None:
         except OSError:
             pass
         os.truncate(filler.fileno(), max(0, filler.tell() - leave))
+
+
+def test_a_full_disk_during_a_resume_names_the_file_and_keeps_the_metrics(tmp_path, finished_run, small_disk):
+    """The cut metrics file is written beside the old one before the old one is moved aside: a full disk stops
+    the resume with the OS's one line, metrics.jsonl as it was; with space again the resume goes on."""
+    shutil.copytree(finished_run, small_disk / "runs" / "r")
+    run_dir = small_disk / "runs" / "r"
+    shutil.rmtree(run_dir / "step_6")  # as if killed after logging step 5: the resume cuts steps 4 and 5 off
+    shutil.rmtree(run_dir / "final")
+    logged = (run_dir / "metrics.jsonl").read_bytes()
+    fill(small_disk)  # every block of the disk taken
+    argv = small(small_disk, "--run-name", "r", "--save-every", "2", "--resume", "latest", steps=8)
+    with pytest.raises(UsageError, match=re.escape(LATER["full"][1])):
+        grpo.main(cli(grpo.Args, args=argv[1:]))
+    assert (run_dir / "metrics.jsonl").read_bytes() == logged
+    (small_disk / "filler").unlink()
+    grpo.main(cli(grpo.Args, args=argv[1:]))
+    assert [m["step"] for m in read_metrics(run_dir)] == list(range(8))
 
 
 @pytest.mark.parametrize("save_every, written", [(1, "step_1"), (0, "final")])

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 import common
 import grpo
-from common import UsageError, cli
+from common import UsageError
 from conftest import ALGORITHMS, ROOT, read_metrics, run
 
 pytestmark = pytest.mark.slow  # kill-and-resume runs in subprocesses: `-m 'not slow'` skips them
@@ -28,21 +28,39 @@ pytestmark = pytest.mark.slow  # kill-and-resume runs in subprocesses: `-m 'not 
 # rollout-correction weights), PPO's critic and adaptive beta.
 EXTRA = {"gvpo": ["--reuse-steps", "1", "--rollout-correction", "tis"], "ppo": ["--target-kl", "0.01"]}
 
-# Loaded before the run's own imports (Python imports `sitecustomize` at start-up): the second write of
-# a safetensors file, the step-4 checkpoint's exported weights, announces itself and then hangs, so the
-# test can SIGKILL the run in the middle of that save.
-HANG_IN_SECOND_SAVE = """
+# Loaded before the run's own imports (Python imports `sitecustomize` at start-up): the second call of
+# safetensors' save_file (HANG_IN=save: the second checkpoint's exported weights) or of `common.evaluate`
+# (HANG_IN=evaluate) announces itself and hangs, so that the test can stop the run there.
+HANG_ON_SECOND_CALL = """
 import os, pathlib, time
-import safetensors.torch
-real, calls = safetensors.torch.save_file, []
-def save_file(*args, **kwargs):
-    real(*args, **kwargs)
+import common, safetensors.torch
+owner, name = {"evaluate": (common, "evaluate"), "save": (safetensors.torch, "save_file")}[os.environ["HANG_IN"]]
+real, calls = getattr(owner, name), []
+def hang_on_second_call(*args, **kwargs):
     calls.append(1)
     if len(calls) == 2:
-        pathlib.Path(os.environ["SAVE_STARTED"]).touch()
+        pathlib.Path(os.environ["HANG_STARTED"]).touch()
         time.sleep(600)
-safetensors.torch.save_file = save_file
+    return real(*args, **kwargs)
+setattr(owner, name, hang_on_second_call)
 """
+
+
+def stopped_in_second_call(args: list[str], tmp_path: Path, hang_in: str, stop: int) -> tuple[int, str]:
+    """Run `args` as a user starts it, with HANG_ON_SECOND_CALL, and send it `stop` where it hangs: (its exit
+    code, its standard error)."""
+    hook, started = tmp_path / "hook", tmp_path / "hang-started"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HANG_ON_SECOND_CALL)
+    proc = subprocess.Popen([sys.executable, str(ROOT / args[0]), *args[1:]], cwd=tmp_path, text=True,
+                            env={**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}", "HANG_IN": hang_in,
+                                 "HANG_STARTED": str(started)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while proc.poll() is None and not started.exists() and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(stop)
+    stderr = proc.communicate()[1]
+    return proc.returncode, stderr
 
 
 def args_for(algo: str, tmp_path, name: str) -> list[str]:
@@ -75,18 +93,9 @@ def test_killed_and_resumed_run_matches_the_uninterrupted_run(tmp_path, algo):
     main_in_process(args_for(algo, tmp_path, "whole"))
 
     # The same run as a user starts it, killed with SIGKILL while it writes its step-4 checkpoint.
-    args, hook = args_for(algo, tmp_path, "killed"), tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(HANG_IN_SECOND_SAVE)
-    started = tmp_path / "save-started"
-    proc = subprocess.Popen([sys.executable, str(ROOT / args[0]), *args[1:]], cwd=tmp_path,
-                            env={**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}", "SAVE_STARTED": str(started)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while proc.poll() is None and not started.exists() and time.time() < deadline:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL, "the run ended before it could be killed"
+    args = args_for(algo, tmp_path, "killed")
+    code, _ = stopped_in_second_call(args, tmp_path, "save", signal.SIGKILL)
+    assert code == -signal.SIGKILL, "the run ended before it could be killed"
     assert (tmp_path / "killed" / "step_4.tmp").is_dir() and not (tmp_path / "killed" / "step_4").exists()
     assert not (tmp_path / "killed" / "final").exists()
     # A crash in the middle of a save leaves only a .tmp folder: it must never be resumed from.
@@ -103,7 +112,7 @@ def test_killed_and_resumed_run_matches_the_uninterrupted_run(tmp_path, algo):
 def test_resume_on_another_number_of_ranks_is_refused(tmp_path):
     args = ["grpo.py", "--num-steps", "1", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0",
             "--save-every", "1", "--output-dir", str(tmp_path), "--run-name", "one"]
-    grpo.main(cli(grpo.Args, args=args[1:]))  # in this process: 1 rank
+    main_in_process(args)  # 1 rank
     result = run([*args, "--resume", "latest"], cwd=tmp_path, torchrun=2)
     assert result.returncode != 0
     assert "written by 1 rank(s), resumed on 2. Resume with --nproc_per_node=1" in result.stderr
@@ -472,31 +481,13 @@ def test_keep_checkpoints_prunes_the_older_ones(tmp_path):
     assert sorted(p.name for p in (tmp_path / "kept").glob("step_*")) == ["step_4", "step_6"]
 
 
-# Loaded before the run's own imports: the second call of `common.evaluate` (the final evaluation of a
-# one-step run that evaluates every step) or of safetensors' save_file (final/'s weights, after step_1's)
-# announces itself and hangs, so the test can stop the run there.
-HANG_AT_THE_END = """
-import os, pathlib, time
-import common, safetensors.torch
-owner, name = {"evaluate": (common, "evaluate"), "save": (safetensors.torch, "save_file")}[os.environ["HANG_IN"]]
-real, calls = getattr(owner, name), []
-def hang_on_second_call(*args, **kwargs):
-    calls.append(1)
-    if len(calls) == 2:
-        pathlib.Path(os.environ["HANG_STARTED"]).touch()
-        time.sleep(600)
-    return real(*args, **kwargs)
-setattr(owner, name, hang_on_second_call)
-"""
-
-
 @pytest.fixture(scope="module")
 def one_step_run(tmp_path_factory) -> tuple[Path, list[str]]:
     """A one-step run, uninterrupted: (its folder, its arguments)."""
     out = tmp_path_factory.mktemp("end")
     args = ["grpo.py", "--num-steps", "1", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "1",
             "--eval-size", "8", "--save-every", "1", "--output-dir", str(out), "--run-name", "whole"]
-    grpo.main(cli(grpo.Args, args=args[1:]))
+    main_in_process(args)
     return out / "whole", args
 
 
@@ -508,27 +499,16 @@ def test_a_run_stopped_in_its_final_evaluation_or_save_finishes_when_resumed(tmp
     save: the resume that Ctrl-C prints (after a kill, the same: --resume latest) runs what is left, the final
     evaluation and final/, and ends as the run that was never stopped, bitwise."""
     whole, args = one_step_run
-    args = [a if a != "whole" else "stopped" for a in args[:-4]] + ["--output-dir", str(tmp_path), "--run-name",
-                                                                   "stopped"]
-    hook, started = tmp_path / "hook", tmp_path / "hang-started"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(HANG_AT_THE_END)
-    proc = subprocess.Popen([sys.executable, str(ROOT / args[0]), *args[1:]], cwd=tmp_path, text=True,
-                            env={**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}", "HANG_IN": hang_in,
-                                 "HANG_STARTED": str(started)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + 300
-    while proc.poll() is None and not started.exists() and time.time() < deadline:
-        time.sleep(0.02)
-    proc.send_signal(stop)
-    stderr = proc.communicate()[1]
+    args = [*args[:-4], "--output-dir", str(tmp_path), "--run-name", "stopped"]  # the same run, in its own folder
+    _, stderr = stopped_in_second_call(args, tmp_path, hang_in, stop)
     assert (tmp_path / "stopped" / "step_1").is_dir() and not (tmp_path / "stopped" / "final").exists()
     if stop == signal.SIGINT:
         command = shlex.split(stderr.split("Go on from it with: ")[1].splitlines()[0])
         assert command[:2] == ["python", str(ROOT / "grpo.py")] and command[-2:] == ["--resume", "latest"], stderr
-        args = command[1:]
+        args = ["grpo.py", *command[2:]]
     else:
         args = [*args, "--resume", "latest"]
-    grpo.main(cli(grpo.Args, args=args[1:]))  # in this process: the same flags, without a second start-up
+    main_in_process(args)  # in this process: the same flags, without a second start-up
     assert "step    1/1 | eval/accuracy" in capsys.readouterr().out  # the final evaluation, no step trained again
     expected, got = load_file(whole / "final" / "model.safetensors"), \
         load_file(tmp_path / "stopped" / "final" / "model.safetensors")
