@@ -23,6 +23,7 @@ import importlib
 import importlib.util
 import json
 import math
+import numbers
 import os
 import random
 import re
@@ -56,7 +57,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 HERE = Path(__file__).resolve().parent
 DEFAULT_MODEL = str(HERE / "tiny_model")  # made by make_tiny_model.py
 # The built-in tasks (builtin_splits): the default --model and --max-new-tokens of each
-TASKS = {"add": (DEFAULT_MODEL, 8), "chain": (str(HERE / "tiny_model_chain"), 64)}
+TASKS = {"add": (DEFAULT_MODEL, 8), "chain": (str(HERE / "tiny_model_chain"), 64),
+         "guess": (str(HERE / "tiny_model_guess"), 192)}
 # The KV cache's name in forward's arguments and outputs: `cache` from transformers 5.20, `past_key_values`
 # before (vLLM's CPU build, which the tests use, pins an older transformers than requirements.txt).
 CACHE = "cache" if "cache" in transformers.modeling_outputs.CausalLMOutputWithPast.__dataclass_fields__ else \
@@ -77,6 +79,8 @@ FLAG_RULES = [
     ("prompts_per_step", lambda v: v >= 1, ">= 1", ""),
     ("group_size", lambda v: v >= 1, ">= 1", ""),
     ("max_new_tokens", lambda v: v >= 1, ">= 1", "each completion has at least its EOS token"),
+    ("max_turns", lambda v: v >= 1, ">= 1", "1: single-turn"),
+    ("max_turn_tokens", lambda v: v is None or v >= 1, ">= 1", "or left out: up to --max-new-tokens"),
     ("seed", lambda v: 0 <= v < 2**63, "in [0, 2**63)", "torch's seeds are 64-bit; each rank adds its rank"),
     ("temperature", lambda v: v >= 0.01, ">= 0.01", "the log-probs divide the logits by it, and below 0.01 float32 "
      "loses the precision a ratio needs; eval/accuracy_greedy reports greedy decoding"),
@@ -131,9 +135,17 @@ def check_flags(args) -> None:
     model, max_new_tokens = TASKS[args.task or "add"]  # the defaults that follow the task
     args.model = model if args.model is None else args.model
     args.max_new_tokens = max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
+    args.max_turns = args.max_turns or (7 if args.task == "guess" else 1)
     for name, valid, must, why in FLAG_RULES:
         value = getattr(args, name)
         require(valid(value), f"--{name.replace('_', '-')}", value, must + (f" ({why})" if why else ""))
+    if args.max_turns > 1 and args.env is None and args.task != "guess":
+        raise UsageError(f"--max-turns {args.max_turns}: turns after the first answer an environment's observation. "
+                         "Pass --env file.py:Class (docs/environments.md), or --task guess.")
+    single_turn = [flag for flag in ("reward_model", "demos_per_group") if getattr(args, flag, None)]
+    if (args.env or args.task == "guess") and single_turn:
+        raise UsageError(f"--{single_turn[0].replace('_', '-')} is single-turn: an environment scores its episodes, "
+                         "and they have no demonstrations. Leave it out with --env and --task guess.")
     if args.eval_every and args.eval_size == 0 and args.eval_dataset is None and args.eval_split is None:
         raise UsageError(f"--eval-size 0 leaves nothing to evaluate every --eval-every {args.eval_every} steps: pass "
                          "--eval-every 0, a positive --eval-size, or --eval-dataset.")
@@ -410,7 +422,12 @@ def builtin_splits(task: str = "add", eval_size: int = 500) -> tuple[list[dict],
     """(train, held-out) examples of a built-in task, fixed by a seed; the first `eval_size` are held out.
     add: `a+b` for 0 <= a, b <= 99, answered with the sum's digits; all 10,000 pairs.
     chain: sums of 2-6 numbers (0-99), answered after '####'; 20,000 distinct prompts. `demo`: a worked
-    completion (`12+7=19 19+30=49 #### 49`), the warm-up data's and gvpo.py --demos-per-group's."""
+    completion (`12+7=19 19+30=49 #### 49`), the warm-up data's and gvpo.py --demos-per-group's.
+    guess: a secret number from 0 to 99 (the answer), found by guessing over turns (`Guess`); 10,000 episodes."""
+    if task == "guess":
+        rng = random.Random(1234)
+        examples = [{"prompt": "guess a number from 0 to 99", "answer": str(rng.randrange(100))} for _ in range(10_000)]
+        return examples[eval_size:], examples[:eval_size]
     if task == "add":
         pairs = [(a, b) for a in range(100) for b in range(100)]
         order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(1234)).tolist()
@@ -526,16 +543,18 @@ def load_data(dataset: str | None, eval_dataset: str | None, eval_size: int, dat
 
 
 def load_task(args) -> tuple:
-    """(tokenizer, train, held_out, exact, reward_fn), checked before any model loads, so that bad input fails
+    """(tokenizer, train, held_out, exact, reward_fn, env), checked before any model loads, so that bad input fails
     fast: `load_data`'s examples whose prompts fit the model (`fit_prompts`); `exact`: a built-in task's
     answers are compared as strings (`correctness_reward`); the --reward-fn function, tried on two examples,
-    or None."""
+    or None; the episodes' environment (`MultiTurn`: --env, tried on two examples, or --task guess's) or None."""
     train, held_out = load_data(args.dataset, args.eval_dataset, args.eval_size, args.dataset_config, args.split,
                                 args.eval_split, args.task or "add", prompt_field=args.prompt_field,
                                 answer_field=args.answer_field)
     reward_fn = load_reward_fn(args.reward_fn, train[:2]) if args.reward_fn else None
+    env = MultiTurn(load_env(args.env, train[:2]) if args.env else Guess, args.env or "guess", args.max_turns,
+                    args.max_turn_tokens, args.chat_template) if args.env or args.task == "guess" else None
     tokenizer = load_tokenizer(args.model)
-    return tokenizer, *fit_prompts(train, held_out, tokenizer, args), args.dataset is None, reward_fn
+    return tokenizer, *fit_prompts(train, held_out, tokenizer, args), args.dataset is None, reward_fn, env
 
 
 def fit_prompts(train: list[dict], held_out: list[dict], tokenizer, args) -> tuple[list[dict], list[dict]]:
@@ -670,15 +689,45 @@ def format_reward(completions: list[str], exact: bool) -> torch.Tensor:
                          "\\boxed{" in c or "####" in c for c in completions], dtype=torch.float32)
 
 
+class Guess:
+    """--task guess's environment (`MultiTurn`): a secret number from 0 to 99, the row's answer. The policy guesses;
+    the episode ends with reward 1 when it is right, else the answer is 'higher' or 'lower' (bisection needs 7)."""
+
+    def __init__(self, row: dict):
+        self.secret = int(row["answer"])
+
+    def step(self, action: str) -> tuple[str | None, float, bool]:  # (observation, reward, done)
+        guess = int(action) if action.strip().isdigit() else -1  # not a number: 'higher'
+        return (None, 1.0, True) if guess == self.secret else ("higher" if self.secret > guess else "lower", 0.0, False)
+
+
 def load_reward_fn(spec: str, examples: list[dict] = ()):
     """`module:function` (imported from the working directory) or `path/to/file.py:function`, called as
     `fn(prompts, completions, answers)` -> one float per completion; tried at once on `examples`."""
+    fn = load_object(spec, "--reward-fn", "function")
+    if examples:
+        answers = [e["answer"] for e in examples]
+        call_reward_fn(fn, spec, [e["prompt"] for e in examples], answers, answers)
+    return fn
+
+
+def load_env(spec: str, examples: list[dict]) -> type:
+    """The environment class of --env ('module:Class' or 'file.py:Class'; `MultiTurn`), made at once from `examples`."""
+    env_class = load_object(spec, "--env", "class")
+    for row in examples:
+        env = env_call(spec, "__init__", env_class, row)
+        env_call(spec, "reset", getattr(env, "reset", lambda: None))
+    return env_class
+
+
+def load_object(spec: str, flag: str, kind: str):
+    """What `spec` names: `module:name`, imported from the working directory, or `path/to/file.py:name`."""
     module_name, _, fn_name = spec.rpartition(":")
     if not module_name or not fn_name:
-        raise UsageError(f"--reward-fn {spec!r}: expected 'module:function' or 'file.py:function'.")
+        raise UsageError(f"{flag} {spec!r}: expected 'module:{kind}' or 'file.py:{kind}'.")
     ours = getattr(sys.modules.get(module_name.partition(".")[0]), "__file__", None)  # e.g. this project's common
     if not module_name.endswith(".py") and ours and Path(ours).resolve().parent == HERE:
-        raise UsageError(f"--reward-fn {spec!r}: {module_name!r} is a module of this project; pass your file as "
+        raise UsageError(f"{flag} {spec!r}: {module_name!r} is a module of this project; pass your file as "
                          f"path/to/{module_name}.py:{fn_name}, or rename it.")
     sys.path.insert(0, os.getcwd())  # for this import only: found from the working directory first
     try:
@@ -689,14 +738,11 @@ def load_reward_fn(spec: str, examples: list[dict] = ()):
         else:
             module = importlib.import_module(module_name)
     except Exception as e:
-        raise UsageError(f"--reward-fn {spec!r}: cannot import {module_name!r} ({type(e).__name__}: {e}).") from None
+        raise UsageError(f"{flag} {spec!r}: cannot import {module_name!r} ({type(e).__name__}: {e}).") from None
     finally:
         sys.path.remove(os.getcwd())
     if not callable(fn := getattr(module, fn_name, None)):
-        raise UsageError(f"--reward-fn {spec!r}: {module_name!r} has no function {fn_name!r}.")
-    if examples:
-        answers = [e["answer"] for e in examples]
-        call_reward_fn(fn, spec, [e["prompt"] for e in examples], answers, answers)
+        raise UsageError(f"{flag} {spec!r}: {module_name!r} has no {kind} {fn_name!r}.")
     return fn
 
 
@@ -721,11 +767,14 @@ def call_reward_fn(fn, spec: str, prompts: list[str], completions: list[str], an
 
 
 def score(examples: list[dict], completions: list[str], group_size: int, exact: bool, format_weight: float = 0.0,
-          reward_fn=None, reward_fn_spec: str = "") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+          reward_fn=None, reward_fn_spec: str = "", env_return: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Total reward (B,) = correct + format_weight * format + user reward, and each component (B,), of the
-    completions of `examples` ({"prompt", "answer"}): `group_size` of each, stored contiguously."""
+    completions of `examples` ({"prompt", "answer"}): `group_size` of each, stored contiguously. With an
+    environment, `correct` is the episodes' `env_return` (an environment grades its episodes itself)."""
     prompts, answers = ([e[key] for e in examples for _ in range(group_size)] for key in ("prompt", "answer"))
-    components = {"correct": correctness_reward(completions, answers, exact)}
+    components = {"correct": correctness_reward(completions, answers, exact) if env_return is None else
+                  env_return.cpu()}
     if format_weight:
         components["format"] = format_reward(completions, exact)
     if reward_fn is not None:
@@ -736,10 +785,11 @@ def score(examples: list[dict], completions: list[str], group_size: int, exact: 
 
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[dict], chat_template: bool, exact: bool, max_new_tokens: int, seed: int,
-             batch_size: int = 256, vllm: "VllmEngine | None" = None) -> dict[str, float]:
+             batch_size: int = 256, vllm: "VllmEngine | None" = None, env: "MultiTurn | None" = None
+             ) -> dict[str, float]:
     """Held-out accuracy of one sample at T=1 (`eval/accuracy`) and of greedy decoding (`_greedy`), each rank
-    on a strided shard. Sampling is seeded and forked: evaluation neither depends on nor disturbs training's
-    random state. `perf/eval_s`: its wall time (part of the step's `perf/step_s`)."""
+    on a strided shard (with `env`: the mean return of one episode). Sampling is seeded and forked: evaluation
+    neither depends on nor disturbs training's random state. `perf/eval_s`: its wall time (in `perf/step_s`)."""
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     start, shard = time.perf_counter(), examples[rank::world_size]
     right = torch.zeros(2, dtype=torch.float64, device=model.device)
@@ -749,8 +799,9 @@ def evaluate(model, tokenizer, examples: list[dict], chat_template: bool, exact:
             batch, counted = shard[i : i + batch_size] or examples[:1], bool(shard[i : i + batch_size])
             prompts = [format_prompt(tokenizer, e["prompt"], chat_template) for e in batch]
             for j, greedy in enumerate((False, True)):
-                texts = generate(model, tokenizer, prompts, 1, max_new_tokens, 1.0, greedy, vllm).texts
-                right[j] += correctness_reward(texts, [e["answer"] for e in batch], exact).sum().item() * counted
+                rollout = generate(model, tokenizer, prompts, 1, max_new_tokens, 1.0, greedy, vllm, env, batch)
+                right[j] += score(batch, rollout.texts, 1, exact, env_return=rollout.env_return)[1]["correct"] \
+                    .sum().item() * counted
     right = all_reduce(right) / len(examples)
     return {"eval/accuracy": right[0].item(), "eval/accuracy_greedy": right[1].item(),
             "perf/eval_s": time.perf_counter() - start}
@@ -767,6 +818,9 @@ class Rollout:
     response_mask: (B, L) 1 on response tokens up to and including EOS; prompt_length: P
     texts: the B decoded responses; truncated: (B,) True where a response hit --max-new-tokens without EOS
     sampler_logprobs: (B, L) each token's log-prob under the distribution the sampler drew it from (0 greedy)
+    With an environment (`MultiTurn`) a response is the episode: the policy's turns (response_mask 1) and the
+    environment's observations (response_mask 0, attention 1, sampler log-prob 0); env_return: (B,) the sum of
+    its rewards; turns: (B,) the policy's turns; truncated: cut by --max-new-tokens or --max-turns.
     """
 
     input_ids: torch.Tensor
@@ -776,6 +830,8 @@ class Rollout:
     texts: list[str]
     truncated: torch.Tensor
     sampler_logprobs: torch.Tensor
+    env_return: torch.Tensor | None = None
+    turns: torch.Tensor | None = None
 
 
 def cat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
@@ -790,7 +846,9 @@ def cat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
                    torch.cat([pad(r, r.attention_mask, 0) for r in rollouts]),
                    torch.cat([pad(r, r.response_mask, 0, left=False) for r in rollouts]), P,
                    [t for r in rollouts for t in r.texts], torch.cat([r.truncated for r in rollouts]),
-                   torch.cat([pad(r, r.sampler_logprobs, 0, left=False) for r in rollouts]))
+                   torch.cat([pad(r, r.sampler_logprobs, 0, left=False) for r in rollouts]),
+                   *(None if rollouts[0].turns is None else torch.cat([getattr(r, key) for r in rollouts])
+                     for key in ("env_return", "turns")))
 
 
 def select_rows(rollout: Rollout, rows: torch.Tensor) -> Rollout:
@@ -834,15 +892,20 @@ class Sampler(LogitsProcessor):
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompts: list[str], group_size: int, max_new_tokens: int, temperature: float,
-             greedy: bool = False, vllm: "VllmEngine | None" = None) -> Rollout:
-    """`group_size` completions of each prompt text (formatted), by `model.generate` or by `vllm`'s engine.
-    Sampling is plain softmax(logits / T), the distribution every loss here assumes (greedy: argmax): the
-    generation config is built here, with only the EOS, pad and BOS ids of the checkpoint's, which is swapped
-    out for the call (else transformers would merge its top_k, repetition_penalty, ... into sampling)."""
+def generate(model, tokenizer, prompts: list[str] | list[list[int]], group_size: int, max_new_tokens: int,
+             temperature: float, greedy: bool = False, vllm: "VllmEngine | None" = None, env: "MultiTurn | None" = None,
+             rows: list[dict] | None = None) -> Rollout:
+    """`group_size` completions of each prompt (text, formatted, or token ids), by `model.generate` or by `vllm`'s
+    engine; with `env`, episodes of the dataset `rows` instead (`run_episodes`). Sampling is plain softmax(logits
+    / T), the distribution every loss here assumes (greedy: argmax): the generation config is built here, with
+    only the EOS, pad and BOS ids of the checkpoint's, which is swapped out for the call (else transformers would
+    merge its top_k, repetition_penalty, ... into sampling)."""
+    if env is not None:
+        return run_episodes(model, tokenizer, rows, group_size, max_new_tokens, temperature, greedy, vllm, env)
+    ids = tokenizer(prompts, add_special_tokens=False).input_ids if isinstance(prompts[0], str) else prompts
     if vllm is not None:
-        return vllm.generate(model, tokenizer, prompts, group_size, max_new_tokens, temperature, greedy)
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+        return vllm.generate(model, tokenizer, ids, group_size, max_new_tokens, temperature, greedy)
+    enc = tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(model.device)
     prompt_ids, prompt_mask = (x.repeat_interleave(group_size, dim=0) for x in (enc.input_ids, enc.attention_mask))
     eos_ids = stop_ids(model, tokenizer)
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id,
@@ -875,6 +938,133 @@ def stop_ids(model, tokenizer) -> list[int]:
     """The tokens that end a completion: the checkpoint's EOS ids (generation_config.json) and the tokenizer's."""
     eos_ids = unwrap(model).generation_config.eos_token_id
     return sorted(set([eos_ids] if isinstance(eos_ids, int) else eos_ids or []) | {tokenizer.eos_token_id} - {None})
+
+
+@dataclass
+class MultiTurn:
+    """Episodes with an environment (--env; --task guess's is `Guess`, an example of the interface): one instance
+    per episode, made from its dataset row; optional `stop` (strings that end a turn before EOS, e.g. a tool call's
+    '</calc>') and `reset() -> str | None` (the first message; None: the row's prompt); `step(action: str) ->
+    (observation, reward, done)` after each turn, the observation a user message's text or a message dict (e.g.
+    {"role": "tool", ...}). The return is the sum of the rewards. docs/environments.md has the rest."""
+
+    env_class: type
+    spec: str  # --env, for messages
+    max_turns: int
+    turn_tokens: int | None = None  # the most tokens of one turn (None: up to --max-new-tokens)
+    chat_template: bool = True
+
+
+def run_episodes(model, tokenizer, rows: list[dict], group_size: int, max_new_tokens: int, temperature: float,
+                 greedy: bool, vllm: "VllmEngine | None", env: MultiTurn) -> Rollout:
+    """`group_size` episodes of each row. Each turn the episodes still going sample as one batch (`generate`, on
+    their tokens so far), each turn's text goes to its environment's `step`, and the observation is appended as
+    tokens (`observation_ids`): the sampled tokens are never decoded and encoded again. An episode ends when its
+    environment says so, or is cut (truncated) after --max-turns turns or --max-new-tokens tokens after its prompt
+    (the policy's and the observations'). Every rank runs as many turns (one whose episodes have all ended samples
+    a dummy turn), so that FSDP's and vLLM's collective forwards stay in step."""
+    rows = [row for row in rows for _ in range(group_size)]
+    envs = [env_call(env.spec, "__init__", env.env_class, row) for row in rows]
+    messages = [[{"role": "user", "content": env_call(env.spec, "reset", getattr(e, "reset", lambda: None))
+                  or row["prompt"]}] for e, row in zip(envs, rows)]
+    prompts = tokenizer([format_prompt(tokenizer, m[0]["content"], env.chat_template) for m in messages],
+                        add_special_tokens=False).input_ids
+    responses, masks, logprobs = ([[] for _ in rows] for _ in range(3))  # after the prompt; masks: 1 = the policy's
+    returns, turns, ended, cut = ([0] * len(rows) for _ in range(4))
+    eos_ids, stop = stop_ids(model, tokenizer), list(getattr(env.env_class, "stop", []))
+    for turn in range(env.max_turns):
+        going = [i for i in range(len(rows)) if not ended[i]]
+        if not all_reduce(torch.tensor(len(going), device=current_device()), "max"):
+            break
+        room = [max_new_tokens - len(responses[i]) for i in going]  # each episode's tokens left
+        out = generate(model, tokenizer, [prompts[i] + responses[i] for i in going] or prompts[:1], 1,
+                       min(max(room, default=1), env.turn_tokens or max_new_tokens), temperature, greedy, vllm)
+        for k, i in enumerate(going):
+            sampled = out.response_mask[k].bool()
+            ids = out.input_ids[k, out.prompt_length:][sampled].tolist()[: room[k]]
+            ids, at_stop = cut_at_stop(tokenizer, ids, stop)
+            responses[i], masks[i], turns[i] = responses[i] + ids, masks[i] + [1] * len(ids), turn + 1
+            logprobs[i] += out.sampler_logprobs[k][sampled].tolist()[:len(ids)]
+            at_eos = ids[-1] in eos_ids
+            if not (at_eos or at_stop):  # cut within the turn by --max-new-tokens or --max-turn-tokens
+                ended[i] = cut[i] = True
+                continue
+            action = tokenizer.decode(ids[:-1] if at_eos else ids, skip_special_tokens=True)
+            result = env_call(env.spec, "step", envs[i].step, action)
+            if not (isinstance(result, tuple) and len(result) == 3 and isinstance(result[1], numbers.Real)
+                    and math.isfinite(result[1]) and (result[2] or isinstance(result[0], (str, dict)))):
+                raise UsageError(f"--env {env.spec}: step must return (observation: text or a message dict, reward: a "
+                                 f"finite number, done), got {repr(result)[:200]}.")
+            observation, reward, ended[i] = result
+            returns[i] += float(reward)
+            if ended[i] or turn == env.max_turns - 1:
+                ended[i], cut[i] = True, not ended[i]  # not ended by the environment: cut by --max-turns
+                continue
+            message = observation if isinstance(observation, dict) else {"role": "user", "content": observation}
+            messages[i].append({"role": "assistant", "content": action})
+            obs = observation_ids(tokenizer, messages[i], message, ids[-1] if at_eos else None, env.chat_template)
+            messages[i].append(message)
+            ended[i] = cut[i] = len(responses[i]) + len(obs) >= max_new_tokens  # no room left for a turn
+            responses[i], masks[i] = responses[i] + obs * (not cut[i]), masks[i] + [0] * len(obs) * (not cut[i])
+            logprobs[i] += [0.0] * len(obs) * (not cut[i])
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    return pack(tokenizer, prompts, responses, masks, logprobs, texts, cut, env_return=returns, turns=turns)
+
+
+def env_call(spec: str, what: str, fn, *args):
+    """fn(*args), a call into the user's environment: an exception there stops the run with one line."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        raise UsageError(f"--env {spec}: {what} raised {type(e).__name__}: {e}") from None
+
+
+def cut_at_stop(tokenizer, ids: list[int], stop: list[str]) -> tuple[list[int], bool]:
+    """`ids` up to the first token whose text completes one of the `stop` strings, and whether one did (else all of
+    them). Prefixes of the sampled tokens are decoded; no text is encoded again."""
+    if not any(s in tokenizer.decode(ids) for s in stop):
+        return ids, False
+    low, high = 1, len(ids)  # the shortest prefix that holds a stop string
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if any(s in tokenizer.decode(ids[:mid]) for s in stop) else (mid + 1, high)
+    return ids[:low], True
+
+
+def observation_ids(tokenizer, messages: list[dict], message: dict, eos_id: int | None, chat_template: bool
+                    ) -> list[int]:
+    """The tokens of the environment's `message` after the policy's turn (messages[-1]). Without a chat template,
+    its text; with one, what the template adds for it: its rendering of messages + message + the next assistant
+    header less its rendering of messages, from where that closes the policy's turn (after the EOS it sampled,
+    `eos_id`; at the template's EOS after a stop string). This holds only for a template that renders earlier
+    turns alike once a message is added; another (one that strips earlier thinking) stops the run."""
+    if not (chat_template and tokenizer.chat_template):
+        return tokenizer(message["content"], add_special_tokens=False).input_ids
+    before = tokenizer.apply_chat_template(messages, tokenize=False)
+    after = tokenizer.apply_chat_template(messages + [message], add_generation_prompt=True, tokenize=False)
+    close = tokenizer.decode([eos_id]) if eos_id is not None else tokenizer.eos_token
+    end = before.rfind(close)
+    if end < 0 or not after.startswith(before) or not before[:end].endswith(messages[-1]["content"]):
+        raise UsageError("--chat-template: the tokenizer's chat template renders the turns so far differently once "
+                         "a message is added (e.g. it strips earlier thinking), so an observation cannot be appended "
+                         "to the sampled tokens. Use a template that keeps earlier turns, or --no-chat-template.")
+    return tokenizer(after[end + len(close) * (eos_id is not None):], add_special_tokens=False).input_ids
+
+
+def pack(tokenizer, prompts: list[list[int]], responses: list[list[int]], masks: list[list[int]],
+         logprobs: list[list[float]], texts: list[str], truncated: list[bool], **episodes) -> Rollout:
+    """A Rollout of token lists, prompts left-padded and responses right-padded; `episodes`: env_return, turns."""
+    P, L, device = max(map(len, prompts)), max(map(len, responses)), current_device()
+    input_ids = torch.full((len(prompts), P + L), tokenizer.pad_token_id)
+    attention_mask, response_mask, sampler_logprobs = torch.zeros_like(input_ids), *torch.zeros(2, len(prompts), L)
+    for i, (ids, response) in enumerate(zip(prompts, responses)):
+        input_ids[i, P - len(ids) : P + len(response)] = torch.tensor(ids + response)
+        attention_mask[i, P - len(ids) : P + len(response)] = 1
+        response_mask[i, : len(response)] = torch.tensor(masks[i], dtype=torch.float32)
+        sampler_logprobs[i, : len(response)] = torch.tensor(logprobs[i], dtype=torch.float32)
+    return Rollout(input_ids.to(device), attention_mask.to(device), response_mask.to(device), P, texts,
+                   torch.tensor(truncated, device=device), sampler_logprobs.to(device),
+                   **{key: torch.tensor(value, dtype=torch.float32, device=device) for key, value in episodes.items()})
 
 
 class VllmEngine:
@@ -931,7 +1121,7 @@ class VllmEngine:
         self.stale = False
 
     @torch.no_grad()
-    def generate(self, model, tokenizer, prompts: list[str], group_size: int, max_new_tokens: int,
+    def generate(self, model, tokenizer, prompt_ids: list[list[int]], group_size: int, max_new_tokens: int,
                  temperature: float, greedy: bool = False) -> Rollout:
         if self.gpu and not self.keep_weights:  # memory for the weights first, then the weights
             self.llm.wake_up(tags=["weights"])
@@ -939,26 +1129,19 @@ class VllmEngine:
             self.push(model)
         if self.gpu:
             self.llm.wake_up(tags=["kv_cache"])
-        prompt_ids, eos_ids = tokenizer(prompts, add_special_tokens=False).input_ids, stop_ids(model, tokenizer)
+        eos_ids = stop_ids(model, tokenizer)
         params = self.vllm.SamplingParams(n=group_size, temperature=0.0 if greedy else temperature, logprobs=0,
                                           max_tokens=max_new_tokens, stop_token_ids=eos_ids, detokenize=False)
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
         self.sleep()
-        rows = [(ids, list(out.token_ids), [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)])
-                for ids, request in zip(prompt_ids, outputs) for out in request.outputs]
-        P, L = max(len(ids) for ids, _, _ in rows), max(len(response) for _, response, _ in rows)
-        input_ids = torch.full((len(rows), P + L), tokenizer.pad_token_id)
-        attention_mask, sampler_logprobs = torch.zeros_like(input_ids), torch.zeros(len(rows), L)
-        for i, (ids, response, logprobs) in enumerate(rows):
-            input_ids[i, P - len(ids) : P + len(response)] = torch.tensor(ids + response)
-            attention_mask[i, P - len(ids) : P + len(response)] = 1
-            sampler_logprobs[i, : len(response)] = torch.tensor(logprobs) * (not greedy)
-        truncated = torch.tensor([response[-1] not in eos_ids for _, response, _ in rows])
-        texts = tokenizer.batch_decode([response[:len(response) - (not cut)] for (_, response, _), cut
-                                        in zip(rows, truncated.tolist())], skip_special_tokens=True)
-        device = current_device()
-        return Rollout(input_ids.to(device), attention_mask.to(device), attention_mask[:, P:].float().to(device), P,
-                       texts, truncated.to(device), sampler_logprobs.to(device))
+        prompts = [ids for ids, request in zip(prompt_ids, outputs) for _ in request.outputs]
+        responses = [list(out.token_ids) for request in outputs for out in request.outputs]
+        logprobs = [[lp[t].logprob * (not greedy) for t, lp in zip(out.token_ids, out.logprobs)]
+                    for request in outputs for out in request.outputs]
+        truncated = [response[-1] not in eos_ids for response in responses]
+        texts = tokenizer.batch_decode([response[:len(response) - (not cut)] for response, cut in
+                                        zip(responses, truncated)], skip_special_tokens=True)
+        return pack(tokenizer, prompts, responses, [[1] * len(r) for r in responses], logprobs, texts, truncated)
 
 
 def shared_prompt_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int):
@@ -1170,7 +1353,9 @@ def step_metrics(rewards: torch.Tensor, components: dict[str, torch.Tensor], rol
             "task/self_correction_frac": sums[4] / sums[6], "task/self_correction_accuracy": sums[5] / sums[4],
             "perf/step_s": step_s, **{f"perf/{name}_s": seconds for name, seconds in times.items()},
             "perf/tokens_per_s": lengths.sum() * world_size / step_s,
-            "perf/peak_mem_gb": peak_memory_gb(rollout.response_mask.device)}
+            "perf/peak_mem_gb": peak_memory_gb(rollout.response_mask.device),
+            **({} if rollout.turns is None else {"env/turns": rollout.turns.double().mean(), "env/observation_tokens":
+                (rollout.attention_mask[:, rollout.prompt_length:].sum(-1) - lengths).mean()})}
 
 
 def peak_memory_gb(device: torch.device) -> float:

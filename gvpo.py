@@ -130,9 +130,10 @@ class ModelAndDataFlags:
     dataset: Optional[str] = None
     """training data: a JSONL file, a Hugging Face dataset name, or a JSON/Parquet/CSV file or dataset folder
     (needs `pip install datasets`); left out: the built-in --task"""
-    task: Optional[Literal["add", "chain"]] = None
-    """built-in task, without --dataset: add (a+b, answered with the digits) or chain (sums of 2-6 numbers,
-    partial sums then '#### total': the lab, docs/lab.md); left out: add"""
+    task: Optional[Literal["add", "chain", "guess"]] = None
+    """built-in task, without --dataset: add (a+b, answered with the digits), chain (sums of 2-6 numbers,
+    partial sums then '#### total': the lab, docs/lab.md) or guess (find a number from 0 to 99 over turns,
+    told 'higher' or 'lower': multi-turn); left out: add"""
     dataset_config: Optional[str] = None
     """configuration of --dataset (e.g. 'main' for openai/gsm8k)"""
     split: str = "train"
@@ -153,6 +154,9 @@ class ModelAndDataFlags:
     """weight of the format reward (answer as a bare number / in \\boxed{}) added to correctness"""
     reward_fn: Optional[str] = None
     """extra reward 'module:function' or 'file.py:function', called as fn(prompts, completions, answers)"""
+    env: Optional[str] = None
+    """multi-turn environment 'file.py:Class' or 'module:Class', one per episode, made from its dataset row; it
+    answers each turn and gives the rewards (docs/environments.md)"""
 
 
 @dataclass
@@ -167,8 +171,14 @@ class RolloutFlags:
     """drop prompts longer than this many tokens after the chat template; left out: only those that leave
     no room for --max-new-tokens in the model's positions are dropped"""
     max_new_tokens: Optional[int] = None
-    """generation limit per completion; a completion that reaches it without EOS is 'truncated'; left out:
-    64 for --task chain, else 8"""
+    """tokens after the prompt: the completion's, or with --max-turns > 1 the episode's (the policy's turns and
+    the observations); one that reaches it without EOS is 'truncated'; left out: 64 for --task chain, 192 for
+    guess, else 8"""
+    max_turns: Optional[int] = None
+    """the policy's turns per episode, each answered by the environment (--env); an episode that has not ended
+    after them is 'truncated'; left out: 7 for --task guess, else 1"""
+    max_turn_tokens: Optional[int] = None
+    """tokens the policy writes in one turn (left out: up to --max-new-tokens)"""
     temperature: float = 1.0
     """sampling temperature; log-probs divide the logits by it too"""
     vllm: bool = False
@@ -307,7 +317,7 @@ def main(args: Args) -> None:
     rank, args.world_size, device = setup_distributed(args.dist_timeout)
     run_info = {"algorithm": Path(__file__).name, "config": asdict(args)}  # recorded in every checkpoint
     run_dir, resume_dir = prepare_run_dir(run_info, rank)  # where it writes, and from what it resumes
-    tokenizer, train_set, eval_set, exact, reward_fn = load_task(args)  # before any model: bad input fails fast
+    tokenizer, train_set, eval_set, exact, reward_fn, env = load_task(args)  # before any model: bad input fails fast
 
     # Seeded alike on every rank while loading (new weights, e.g. LoRA's, are the same), then by rank (own samples).
     torch.manual_seed(args.seed)
@@ -342,14 +352,15 @@ def main(args: Args) -> None:
         step_start, times, metrics = time.perf_counter(), {}, {}
         if args.eval_every and step % args.eval_every == 0:
             metrics = evaluate(policy, tokenizer, eval_set, args.chat_template, exact, args.max_new_tokens, args.seed,
-                               vllm=vllm)
+                               vllm=vllm, env=env)
 
         # --- algorithm: 1-3. one group of G completions for each of the step's prompts, scored ---
         batch = prompt_batch(train_set, step, args.prompts_per_step, rank, args.world_size, args.seed)  # this rank's
         prompts = [format_prompt(tokenizer, e["prompt"], args.chat_template) for e in batch]
         sampled, k = args.group_size - args.demos_per_group, args.demos_per_group
         with timed(times, "gen"):  # stored contiguously by group: rows j*G .. j*G+G-1
-            rollout = generate(policy, tokenizer, prompts, sampled, args.max_new_tokens, args.temperature, vllm=vllm)
+            rollout = generate(policy, tokenizer, prompts, sampled, args.max_new_tokens, args.temperature, vllm=vllm,
+                               env=env, rows=batch)
         if k:  # mixed data: each group's last k rows are the example's worked completion, not sampled
             demos = given_rollout(tokenizer, [p for p in prompts for _ in range(k)],
                                   [e.get("demo", e["answer"]) for e in batch for _ in range(k)], args.max_new_tokens,
@@ -358,7 +369,7 @@ def main(args: Args) -> None:
             rows = torch.cat([j * sampled + torch.arange(sampled), len(batch) * sampled + j * k + torch.arange(k)], 1)
             rollout = select_rows(cat_rollouts([rollout, demos], tokenizer.pad_token_id), rows.view(-1))
         rewards, components = score(batch, rollout.texts, args.group_size, exact, args.format_weight, reward_fn,
-                                    args.reward_fn)
+                                    args.reward_fn, rollout.env_return)
 
         # 4. advantages, on the fresh groups and those replayed from the last --reuse-steps steps
         b_rollout = cat_rollouts([rollout] + [r for r, _, _ in state["replay"]], tokenizer.pad_token_id)
@@ -458,7 +469,7 @@ def main(args: Args) -> None:
 
     if args.eval_every:
         logger.log(args.num_steps, evaluate(policy, tokenizer, eval_set, args.chat_template, exact,
-                                            args.max_new_tokens, args.seed, vllm=vllm))
+                                            args.max_new_tokens, args.seed, vllm=vllm, env=env))
     save_checkpoint(run_dir / "final", trained, tokenizer, rank, run_info, step=args.num_steps)
     print0(f"done: {run_dir / 'final'}")
     logger.close()

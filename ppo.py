@@ -117,9 +117,10 @@ class ModelAndDataFlags:
     dataset: Optional[str] = None
     """training data: a JSONL file, a Hugging Face dataset name, or a JSON/Parquet/CSV file or dataset folder
     (needs `pip install datasets`); left out: the built-in --task"""
-    task: Optional[Literal["add", "chain"]] = None
-    """built-in task, without --dataset: add (a+b, answered with the digits) or chain (sums of 2-6 numbers,
-    partial sums then '#### total': the lab, docs/lab.md); left out: add"""
+    task: Optional[Literal["add", "chain", "guess"]] = None
+    """built-in task, without --dataset: add (a+b, answered with the digits), chain (sums of 2-6 numbers,
+    partial sums then '#### total': the lab, docs/lab.md) or guess (find a number from 0 to 99 over turns,
+    told 'higher' or 'lower': multi-turn); left out: add"""
     dataset_config: Optional[str] = None
     """configuration of --dataset (e.g. 'main' for openai/gsm8k)"""
     split: str = "train"
@@ -140,6 +141,9 @@ class ModelAndDataFlags:
     """weight of the format reward (answer as a bare number / in \\boxed{}) added to correctness"""
     reward_fn: Optional[str] = None
     """extra reward 'module:function' or 'file.py:function', called as fn(prompts, completions, answers)"""
+    env: Optional[str] = None
+    """multi-turn environment 'file.py:Class' or 'module:Class', one per episode, made from its dataset row; it
+    answers each turn and gives the rewards (docs/environments.md)"""
 
 
 @dataclass
@@ -154,8 +158,14 @@ class RolloutFlags:
     """drop prompts longer than this many tokens after the chat template; left out: only those that leave
     no room for --max-new-tokens in the model's positions are dropped"""
     max_new_tokens: Optional[int] = None
-    """generation limit per completion; a completion that reaches it without EOS is 'truncated'; left out:
-    64 for --task chain, else 8"""
+    """tokens after the prompt: the completion's, or with --max-turns > 1 the episode's (the policy's turns and
+    the observations); one that reaches it without EOS is 'truncated'; left out: 64 for --task chain, 192 for
+    guess, else 8"""
+    max_turns: Optional[int] = None
+    """the policy's turns per episode, each answered by the environment (--env); an episode that has not ended
+    after them is 'truncated'; left out: 7 for --task guess, else 1"""
+    max_turn_tokens: Optional[int] = None
+    """tokens the policy writes in one turn (left out: up to --max-new-tokens)"""
     temperature: float = 1.0
     """sampling temperature; log-probs divide the logits by it too"""
     vllm: bool = False
@@ -307,7 +317,8 @@ def compute_rewards(
     no_eos_score: Optional[float] = -1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token rewards: -beta * k1 KL on every response token, plus the completion's score on its last
-    token (EOS when there is one); a completion cut off without EOS scores `no_eos_score` instead.
+    token (EOS when there is one; in an episode, the policy's last token, never an observation's); a completion
+    cut off without EOS (an episode cut by a budget) scores `no_eos_score` instead.
 
     scores, truncated: (B,); old_logprobs, ref_logprobs, response_mask: (B, T) -> rewards (B, T), kl (B, T).
     Everything is detached: the KL is part of the reward the policy sees, never a loss to differentiate."""
@@ -318,7 +329,7 @@ def compute_rewards(
     else:
         kl = (old_logprobs - ref_logprobs).detach() * response_mask  # (B, T) k1 = log pi_old - log pi_ref
     rewards = -beta * kl
-    last = (response_mask.sum(-1).long() - 1).clamp(min=0)  # (B,) index of the last real token
+    last = response_mask.shape[1] - 1 - response_mask.flip(-1).argmax(-1)  # (B,) index of the policy's last token
     rewards[torch.arange(len(rewards)), last] += scores.detach()
     return rewards, kl
 
@@ -327,7 +338,10 @@ def compute_advantages(
     rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE over response tokens, treating the last real token as terminal (the value after it is 0, even
-    for a completion that was cut off: the LLM-RLHF convention).
+    for a completion that was cut off: the LLM-RLHF convention). In an episode the environment's tokens
+    (response_mask 0) are skipped: the policy token before an observation bootstraps from the value of the
+    policy token after it, and the advantage carries over the gap, undiscounted, as verl's multi-turn GAE does
+    (verl core_algos.compute_gae_advantage_return; its test_multi_turn_compute_gae_advantage_return).
 
     rewards, values (V_old at rollout time), response_mask: (B, T) -> advantages, returns: (B, T), 0 after
     the last token. The returns (critic targets) use these raw advantages; whiten the advantages after."""
@@ -336,9 +350,10 @@ def compute_advantages(
     next_advantage = next_value = torch.zeros_like(rewards[:, 0])  # (B,)
     for t in reversed(range(rewards.shape[1])):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        next_advantage = delta + gamma * lam * next_advantage
+        policy = response_mask[:, t] > 0  # (B,) elsewhere (an observation, the padding) both carry over as they are
+        next_advantage = torch.where(policy, delta + gamma * lam * next_advantage, next_advantage)
         advantages[:, t] = next_advantage
-        next_value = values[:, t]
+        next_value = torch.where(policy, values[:, t], next_value)
     advantages = advantages * response_mask
     return advantages, advantages + values
 
@@ -443,7 +458,7 @@ def main(args: Args) -> None:
     rank, args.world_size, device = setup_distributed(args.dist_timeout)
     run_info = {"algorithm": Path(__file__).name, "config": asdict(args)}  # recorded in every checkpoint
     run_dir, resume_dir = prepare_run_dir(run_info, rank)  # where it writes, and from what it resumes
-    tokenizer, train_set, eval_set, exact, reward_fn = load_task(args)  # before any model: bad input fails fast
+    tokenizer, train_set, eval_set, exact, reward_fn, env = load_task(args)  # before any model: bad input fails fast
 
     # Seeded alike on every rank while loading (new weights, e.g. LoRA's, are the same), then by rank (own samples).
     torch.manual_seed(args.seed)
@@ -498,7 +513,7 @@ def main(args: Args) -> None:
         step_start, times, metrics = time.perf_counter(), {}, {}
         if args.eval_every and step % args.eval_every == 0:
             metrics = evaluate(policy, tokenizer, eval_set, args.chat_template, exact, args.max_new_tokens, args.seed,
-                               vllm=vllm)
+                               vllm=vllm, env=env)
 
         # --- algorithm: 1-3. one group of G completions for each of the step's prompts, scored by the rule-based
         # reward or by the reward model (the rule's parts are still logged)
@@ -506,9 +521,9 @@ def main(args: Args) -> None:
         prompts = [format_prompt(tokenizer, e["prompt"], args.chat_template) for e in batch]
         with timed(times, "gen"):  # stored contiguously by group: rows j*G .. j*G+G-1
             rollout = generate(policy, tokenizer, prompts, args.group_size, args.max_new_tokens, args.temperature,
-                               vllm=vllm)
+                               vllm=vllm, env=env, rows=batch)
         rewards, components = score(batch, rollout.texts, args.group_size, exact, args.format_weight, reward_fn,
-                                    args.reward_fn)
+                                    args.reward_fn, rollout.env_return)
         if reward_model is not None:
             group_prompts = [e["prompt"] for e in batch for _ in range(args.group_size)]
             rewards = components["model"] = reward_model_scores(
@@ -614,7 +629,7 @@ def main(args: Args) -> None:
 
     if args.eval_every:
         logger.log(args.num_steps, evaluate(policy, tokenizer, eval_set, args.chat_template, exact,
-                                            args.max_new_tokens, args.seed, vllm=vllm))
+                                            args.max_new_tokens, args.seed, vllm=vllm, env=env))
     save_checkpoint(run_dir / "final", trained, tokenizer, rank, run_info, step=args.num_steps)
     print0(f"done: {run_dir / 'final'}")
     logger.close()

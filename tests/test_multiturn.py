@@ -1,0 +1,333 @@
+"""Multi-turn episodes (common.run_episodes, `--env`, `--task guess`): an episode is one row, the policy's turns
+and the environment's observations as tokens; only the response mask says which tokens the policy wrote. The
+losses are those of single-turn, on the policy's tokens: an observation is context, never a target."""
+
+import importlib
+import inspect
+
+import pytest
+import torch
+
+import common
+from common import (
+    TASKS,
+    Guess,
+    MultiTurn,
+    UsageError,
+    builtin_splits,
+    cut_at_stop,
+    generate,
+    get_logprobs,
+    load_model,
+    load_tokenizer,
+    observation_ids,
+    rollout_weights,
+    sampler_logprob_gap,
+)
+from conftest import ALGORITHMS
+
+# A two-turn episode of each of 4 rows (2 groups of 2), 9 positions after the prompt: the policy's turns (1), the
+# environment's observation (0) between them, then padding (0). Row 2 ended after one turn; row 3 has a long
+# observation.
+MASK = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 0, 0],
+                     [1, 0, 0, 0, 1, 1, 0, 0, 0],
+                     [1, 1, 1, 0, 0, 0, 0, 0, 0],
+                     [1, 0, 0, 0, 0, 1, 1, 1, 0]], dtype=torch.float64)
+
+
+def compact(x: torch.Tensor) -> torch.Tensor:
+    """The policy's tokens of each row alone, moved to the front (the rest 0): the single-turn rollout of the
+    same tokens and values. (B, T) -> (B, T)."""
+    out = torch.zeros_like(x)
+    for i, row in enumerate(MASK.bool()):
+        out[i, : int(row.sum())] = x[i][row]
+    return out
+
+
+def loss_inputs(module, full: bool, junk: float = 0.0) -> tuple[dict, torch.Tensor]:
+    """Every argument of `module.compute_loss`, by name, over the episode (`full`: observation positions hold
+    `junk`, a value no loss may read) or over its policy tokens alone; and the log-probs, which take the gradient."""
+    g = torch.Generator().manual_seed(0)
+    per_token = {name: torch.randn(MASK.shape, generator=g, dtype=torch.float64) * 0.3 - 1.5
+                 for name in ("logprobs", "old", "ref", "values", "old_values", "returns", "token_advantages")}
+    per_token["logprobs"] = per_token["old"] + torch.randn(MASK.shape, generator=g, dtype=torch.float64) * 0.3
+    for name, x in per_token.items():  # junk where the policy wrote nothing
+        per_token[name] = torch.where(MASK.bool(), x, torch.full_like(x, junk)) if full else compact(x)
+    mask = MASK if full else compact(MASK)
+    logprobs = per_token["logprobs"].clone().requires_grad_()
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
+    ppo = module.__name__ == "ppo"
+    given = {"logprobs": logprobs, "old_logprobs": per_token["old"], "anchor_logprobs": per_token["old"],
+             "ref_logprobs": per_token["ref"], "advantages": per_token["token_advantages"] if ppo else advantages,
+             "values": per_token["values"], "old_values": per_token["old_values"], "returns": per_token["returns"],
+             "response_mask": mask, "num_sequences": 4.0, "num_tokens": 10.0, "num_groups": 2.0,
+             "group_size": 2, "max_new_tokens": 9}
+    names = inspect.signature(module.compute_loss).parameters
+    return {name: given[name] for name in names if name in given}, logprobs
+
+
+@pytest.mark.parametrize("algo", ALGORITHMS)
+def test_every_loss_of_an_episode_is_the_loss_of_its_policy_tokens(algo):
+    """A two-turn episode gives each file's loss, gradient and metrics exactly those of the same policy tokens
+    without the observations (compacted, as a single-turn rollout), whatever the observation positions hold
+    (0 or 1e6): they reach the loss only as context, through the log-probs of the policy's tokens."""
+    module = importlib.import_module(algo)
+    results = []
+    for full, junk in ((False, 0.0), (True, 0.0), (True, 1e6)):
+        kwargs, logprobs = loss_inputs(module, full, junk)
+        loss, metrics = module.compute_loss(**kwargs)
+        loss.backward()
+        grad = logprobs.grad if not full else compact(logprobs.grad)
+        if full:
+            assert (logprobs.grad[~MASK.bool()] == 0).all()  # no gradient to an observation's log-prob
+        results.append((loss.detach(), grad, {k: torch.as_tensor(v).double() for k, v in metrics.items()}))
+    for loss, grad, metrics in results[1:]:
+        torch.testing.assert_close(loss, results[0][0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(grad, results[0][1], rtol=1e-12, atol=1e-12)
+        for key, value in metrics.items():
+            torch.testing.assert_close(value, results[0][2][key], rtol=1e-12, atol=1e-12, msg=key)
+
+
+@pytest.mark.parametrize("mode", ["tis", "mis", "seq-tis", "seq-mis", "geo-mis"])
+def test_the_rollout_correction_sees_only_the_policy_tokens(mode):
+    """The correction's weights and its metrics are those of the policy's tokens alone; observations, whose
+    sampler log-prob is 0, get weight... none that matters: they are masked."""
+    g = torch.Generator().manual_seed(1)
+    old = torch.randn(MASK.shape, generator=g, dtype=torch.float64) * 0.2 - 1
+    sampler = torch.where(MASK.bool(), old + torch.randn(MASK.shape, generator=g, dtype=torch.float64) * 0.3, 0.0)
+    full = rollout_weights(old, sampler, MASK, mode, 1.5)
+    alone = rollout_weights(compact(old), compact(sampler), compact(MASK), mode, 1.5)
+    torch.testing.assert_close(compact(full * MASK), alone * compact(MASK))
+    gap_full, gap_alone = (sampler_logprob_gap(*x, mode, 1.5) for x in
+                           ((sampler, old, MASK), (compact(sampler), compact(old), compact(MASK))))
+    for key in gap_alone:
+        torch.testing.assert_close(gap_full[key], gap_alone[key], msg=key)
+
+
+def test_ppo_gae_passes_over_observations_hand_worked():
+    """PPO's score goes on the policy's last token, and GAE skips the observation: the policy token before it
+    bootstraps from the value of the policy token after it (verl's multi-turn GAE). By hand, gamma 0.9,
+    lambda 0.5, values 0.5 and 0.8 on the policy's tokens (9 on the observation's, never read), score 1:
+    t=3: delta = 1 - 0.8 = 0.2, A = 0.2; t=0: delta = 0.9 * 0.8 - 0.5 = 0.22, A = 0.22 + 0.45 * 0.2 = 0.31."""
+    ppo = importlib.import_module("ppo")
+    mask = torch.tensor([[1.0, 0.0, 0.0, 1.0, 0.0]])  # a turn, an observation of two tokens, a turn, padding
+    rewards, _ = ppo.compute_rewards(torch.tensor([1.0]), torch.tensor([False]), torch.zeros(1, 5), None, mask, 0.0)
+    assert rewards.tolist() == [[0.0, 0.0, 0.0, 1.0, 0.0]]  # on the last policy token, not the padding
+    values = torch.tensor([[0.5, 9.0, 9.0, 0.8, 9.0]])
+    advantages, returns = ppo.compute_advantages(rewards, values, mask, gamma=0.9, lam=0.5)
+    torch.testing.assert_close(advantages, torch.tensor([[0.31, 0.0, 0.0, 0.2, 0.0]]))
+    torch.testing.assert_close(returns[mask.bool()], torch.tensor([0.81, 1.0]))
+    # and GAE over the episode equals GAE over its policy tokens alone (verl's test_multi_turn_compute_gae...)
+    g = torch.Generator().manual_seed(2)
+    rewards, values = (torch.randn(MASK.shape, generator=g, dtype=torch.float64) for _ in range(2))
+    full = ppo.compute_advantages(rewards, values, MASK, 0.95, 0.9)
+    alone = ppo.compute_advantages(compact(rewards * MASK), compact(values), compact(MASK), 0.95, 0.9)
+    for x, y in zip(full, alone):
+        torch.testing.assert_close(compact(x * MASK), y * compact(MASK))
+
+
+# --- Episodes on the tiny model: tokens in, tokens out --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tokenizer = load_tokenizer(TASKS["add"][0])
+    return tokenizer, load_model(TASKS["add"][0], "float32", torch.device("cpu"), tokenizer)
+
+
+def episodes(tiny, env_class, max_turns=3, max_new_tokens=60, group_size=2, turn_tokens=None, task="guess"):
+    tokenizer, model = tiny
+    torch.manual_seed(0)
+    env = MultiTurn(env_class, env_class.__name__, max_turns, turn_tokens, True)
+    rows = builtin_splits(task)[1][:3]
+    return generate(model, tokenizer, None, group_size, max_new_tokens, 1.0, env=env, rows=rows)
+
+
+def test_an_episode_is_the_prompt_the_sampled_turns_and_the_templates_observations(tiny):
+    """Each row is the chat template's rendering of the conversation, with the policy's turns where the
+    response mask is 1, sampler log-probs there and 0 on the observations; the sampler's log-probs are the
+    trainer's, so the tokens in the row are those sampled, in the context they were sampled in."""
+    tokenizer, model = tiny
+    rollout, rows = episodes(tiny, Guess), builtin_splits("guess")[1]
+    assert rollout.turns.tolist() == [3.0] * 6 and rollout.truncated.all()  # the add model cannot play
+    P, mask = rollout.prompt_length, rollout.response_mask.bool()
+    assert (rollout.sampler_logprobs[~mask] == 0).all() and (rollout.sampler_logprobs[mask] < 0).any()
+    for i in range(6):
+        ids = rollout.input_ids[i][rollout.attention_mask[i].bool()].tolist()
+        turns = tokenizer.decode(rollout.input_ids[i, P:][mask[i]]).split("<|im_end|>")[:-1]
+        messages, env = [{"role": "user", "content": "guess a number from 0 to 99"}], Guess(rows[i // 2])
+        for k, turn in enumerate(turns):
+            messages.append({"role": "assistant", "content": turn})
+            if k < 2:
+                messages.append({"role": "user", "content": env.step(turn)[0]})
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+        assert tokenizer.decode(ids) + "\n" == rendered  # the template adds '\n' after the last <|im_end|>
+    logprobs, _ = get_logprobs(model, rollout.input_ids, rollout.attention_mask, P, 1.0)
+    assert (logprobs - rollout.sampler_logprobs)[mask].abs().max() < 1e-4
+
+
+def test_the_sampled_ids_stay_as_sampled_where_a_round_trip_would_change_them(monkeypatch):
+    """On a tokenizer with a token '12', the policy sampled '1' then '2': decoded and encoded again they would be
+    the one token '12', and the loss would train a token nobody sampled. The episode keeps '1', '2'."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tiny = load_tokenizer(TASKS["add"][0])
+    vocab = {**tiny.get_vocab(), "12": len(tiny)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"12|[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(["<|pad|>", "<|im_start|>", "<|im_end|>"])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|pad|>", eos_token="<|im_end|>",
+                                        chat_template=tiny.chat_template, padding_side="left")
+    one, two, eos = tokenizer.convert_tokens_to_ids(["1", "2", "<|im_end|>"])
+    assert tokenizer(tokenizer.decode([one, two])).input_ids == [vocab["12"]]  # the round trip is not the identity
+    turns = iter([[one, two, eos], [one, two, eos]])
+
+    def sampler(model, tokenizer, prompts, group_size, max_new_tokens, *args, **kwargs):  # every row samples '12'
+        ids = next(turns)
+        n = len(prompts)
+        return common.pack(tokenizer, prompts, [ids] * n, [[1] * 3] * n, [[-0.5] * 3] * n, ["12"] * n, [False] * n)
+
+    monkeypatch.setattr(common, "generate", sampler)
+    model = type("Model", (), {"generation_config": type("Config", (), {"eos_token_id": eos})})()
+    rows = [{"prompt": "guess", "answer": "5"}]
+    rollout = common.run_episodes(model, tokenizer, rows, 2, 100, 1.0, False, None, MultiTurn(Guess, "guess", 2))
+    policy = rollout.input_ids[:, rollout.prompt_length:][rollout.response_mask.bool()].view(2, -1)
+    assert policy.tolist() == [[one, two, eos] * 2] * 2 and rollout.turns.tolist() == [2, 2]
+    assert rollout.texts[0] == "12\nuser\nlower\nassistant\n12"  # the episode after its prompt, as the policy saw it
+
+
+def test_turn_and_token_budgets_cut_an_episode(tiny):
+    rollout = episodes(tiny, Guess, max_turns=2)
+    assert rollout.turns.max() == 2 and rollout.truncated.all()
+    rollout = episodes(tiny, Guess, max_turns=5, max_new_tokens=40)  # room for one observation, not two
+    lengths = rollout.attention_mask[:, rollout.prompt_length:].sum(-1)
+    assert (lengths <= 40).all() and rollout.truncated.all() and rollout.turns.max() == 2
+    rollout = episodes(tiny, Guess, max_turns=2, turn_tokens=1)  # one token a turn: cut in the first
+    assert rollout.turns.tolist() == [1.0] * 6 or (rollout.response_mask.sum(-1) <= 2).all()
+
+
+class Found:
+    """Ends every episode at its first turn with reward 0.5."""
+
+    def __init__(self, row):
+        pass
+
+    def step(self, action):
+        return None, 0.5, True
+
+
+def test_an_episode_ends_when_the_environment_says_so(tiny):
+    rollout = episodes(tiny, Found, max_turns=4)
+    assert rollout.turns.tolist() == [1.0] * 6 and not rollout.truncated.any()
+    assert rollout.env_return.tolist() == [0.5] * 6
+    assert (rollout.attention_mask[:, rollout.prompt_length:] == rollout.response_mask).all()  # no observation
+
+
+class Stop:
+    """A turn also ends at '1' (as a tool call ends at its closing tag); the observation is '='."""
+
+    stop = ["1"]
+
+    def __init__(self, row):
+        pass
+
+    def step(self, action):
+        return "=", 0.0, False
+
+
+def test_a_turn_ends_at_a_stop_string_and_the_template_closes_it(tiny):
+    tokenizer, _ = tiny
+    rollout = episodes(tiny, Stop, max_turns=3, group_size=4, task="add")  # sums: '1' is frequent
+    P, one = rollout.prompt_length, tokenizer.convert_tokens_to_ids("1")
+    stopped = 0
+    for i in range(len(rollout.texts)):
+        ids, mask = rollout.input_ids[i, P:].tolist(), rollout.response_mask[i].tolist()
+        for t in range(len(ids) - 1):
+            if mask[t] and ids[t] == one:  # a '1' the policy wrote ends its turn: the template's <|im_end|> follows
+                assert mask[t + 1] == 0 and ids[t + 1] in (tokenizer.eos_token_id, tokenizer.pad_token_id)  # or the end
+                stopped += 1
+    assert stopped > 0
+    assert cut_at_stop(tokenizer, tokenizer("2+13=5").input_ids, ["13", "="]) == (tokenizer("2+13").input_ids, True)
+    assert cut_at_stop(tokenizer, tokenizer("2+3").input_ids, ["13"]) == (tokenizer("2+3").input_ids, False)
+
+
+def test_a_template_that_rewrites_an_earlier_turn_stops_the_run(tiny):
+    """A template that drops earlier assistant turns' content (as Qwen3's strips their thinking) cannot take
+    an observation as the difference of two renderings: one line, naming --chat-template."""
+    tokenizer = load_tokenizer(TASKS["add"][0])
+    messages = [{"role": "user", "content": "guess"}, {"role": "assistant", "content": "50"}]
+    ids = observation_ids(tokenizer, messages, {"role": "user", "content": "higher"}, tokenizer.eos_token_id, True)
+    assert tokenizer.decode(ids) == "\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(observation_ids(tokenizer, messages, {"content": "higher"}, None, False)) == "higher"
+    tokenizer.chat_template = tokenizer.chat_template.replace(
+        "{{ m['content'] }}", "{{ '' if m['role'] == 'assistant' and not loop.last else m['content'] }}")
+    with pytest.raises(UsageError, match="^--chat-template: the tokenizer's chat template renders the turns so far"):
+        observation_ids(tokenizer, messages, {"role": "user", "content": "higher"}, tokenizer.eos_token_id, True)
+
+
+# --- --env's errors: one line each ----------------------------------------------------------------------------
+
+ENVS = """
+class Raises:
+    def __init__(self, row):
+        pass
+    def step(self, action):
+        raise KeyError("no tool")
+
+class NotANumber:
+    def __init__(self, row):
+        pass
+    def step(self, action):
+        return "ok", None, False
+
+class BadInit:
+    def __init__(self, row):
+        self.x = row["missing"]
+"""
+
+
+@pytest.mark.parametrize("env, message", [
+    ("{tmp}/nowhere.py:Env", "--env '{tmp}/nowhere.py:Env': cannot import '{tmp}/nowhere.py' (FileNotFoundError"),
+    ("{tmp}/envs.py:Nope", "--env '{tmp}/envs.py:Nope': '{tmp}/envs.py' has no class 'Nope'."),
+    ("{tmp}/envs.py:BadInit", "--env {tmp}/envs.py:BadInit: __init__ raised KeyError: 'missing'"),
+    ("{tmp}/envs.py:Raises", "--env {tmp}/envs.py:Raises: step raised KeyError: 'no tool'"),
+    ("{tmp}/envs.py:NotANumber", "--env {tmp}/envs.py:NotANumber: step must return (observation: text or a message "
+     "dict, reward: a finite number, done), got ('ok', None, False)."),
+])
+def test_env_errors_are_one_line(tmp_path, env, message):
+    (tmp_path / "envs.py").write_text(ENVS)
+    import grpo
+
+    argv = ["--env", env.format(tmp=tmp_path), "--max-turns", "2", "--num-steps", "1", "--prompts-per-step", "2",
+            "--group-size", "2", "--eval-every", "0", "--output-dir", str(tmp_path / "runs")]
+    with pytest.raises(UsageError) as stop:
+        grpo.main(common.cli(grpo.Args, args=argv))
+    assert "\n" not in str(stop.value) and str(stop.value).startswith(message.format(tmp=tmp_path))
+
+
+def test_more_turns_without_an_environment_stop_at_start_up(tmp_path):
+    import grpo
+
+    with pytest.raises(UsageError, match="^--max-turns 3: turns after the first answer an environment's observation"):
+        grpo.main(common.cli(grpo.Args, args=["--max-turns", "3", "--output-dir", str(tmp_path)]))
+
+
+def test_the_calculator_example_answers_tool_calls_and_grades_the_final_answer(tmp_path, fixed_length_dataset):
+    """examples/calculator.py, the environment docs/environments.md walks through: a call ends its turn and is
+    answered as a tool message, code is refused, the final answer is graded; and a run takes it by its path."""
+    from examples.calculator import Calculator
+
+    env = Calculator({"answer": "42"})
+    assert env.step("6 times 7 is <calc>6*7</calc>") == ({"role": "tool", "content": "42"}, 0.0, False)
+    assert env.step("<calc>__import__('os')</calc>")[0]["content"].startswith("error: not arithmetic")
+    assert env.step("<calc>2**1000</calc>")[0]["content"] == "error: exponent too large"
+    assert env.step("so \\boxed{42}") == (None, 1.0, True) and env.step("41") == (None, 0.0, True)
+    import grpo
+
+    grpo.main(common.cli(grpo.Args, args=[
+        "--env", f"{common.HERE / 'examples' / 'calculator.py'}:Calculator", "--dataset", str(fixed_length_dataset),
+        "--max-turns", "2", "--num-steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--eval-size", "4",
+        "--output-dir", str(tmp_path / "runs"), "--run-name", "calc"]))
+    assert (tmp_path / "runs" / "calc" / "final").is_dir()
