@@ -446,10 +446,11 @@ def builtin_splits(task: str = "add", eval_size: int = 500) -> tuple[list[dict],
 
 def load_rows(source: str, flag: str = "--dataset", config: str | None = None, split: str | None = "train",
               prompt_field: str = "prompt", answer_field: str = "answer") -> list[dict]:
-    """`{"prompt", "answer"}` rows of a JSONL file (read here: it needs nothing more) or of anything `datasets`
+    """Rows of a JSONL file (read here: it needs nothing more) or of anything `datasets`
     reads (a Hub name, JSON/Parquet/CSV files, a folder of them, a `save_to_disk` folder) at `config` and
-    `split` (None: 'test', or its only split). A missing, null or non-text field stops naming the file and
-    line; so does a field empty in every row (a --prompt-field or --answer-field naming the wrong column)."""
+    `split` (None: 'test', or its only split): every field, and "prompt" and "answer" as text. A missing, null or
+    non-text field stops naming the file and line; so does a field empty in every row (a --prompt-field or
+    --answer-field naming the wrong column)."""
     records = _jsonl_records(source, flag) if source.endswith(".jsonl") and config is None else \
         _dataset_records(source, flag, config, split)
     rows = []
@@ -463,7 +464,7 @@ def load_rows(source: str, flag: str = "--dataset", config: str | None = None, s
             if not isinstance(value := record[key], (str, int, float)) or isinstance(value, bool):
                 kind = "null" if value is None else f"a {type(value).__name__}"
                 raise UsageError(f"{where}: field {key} is {kind}; every row needs a {key}, text or a number.")
-        rows.append({"prompt": str(record[prompt_field]), "answer": str(record[answer_field])})
+        rows.append({**record, "prompt": str(record[prompt_field]), "answer": str(record[answer_field])})  # all: --env
     if not rows:
         raise UsageError(f"{flag} {source!r}: the dataset has no examples.")
     for what, key, field_flag in (("prompt", prompt_field, "--prompt-field"),

@@ -79,7 +79,7 @@ def test_prompt_batch_shards_one_global_order():
 def test_load_rows_of_jsonl(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"prompt": "1+1", "answer": 2}\n\n{"prompt": "x", "answer": "y", "extra": 1}\n')
-    assert load_rows(str(path)) == [{"prompt": "1+1", "answer": "2"}, {"prompt": "x", "answer": "y"}]
+    assert load_rows(str(path)) == [{"prompt": "1+1", "answer": "2"}, {"prompt": "x", "answer": "y", "extra": 1}]
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,8 @@ def test_jsonl_with_named_fields_and_gsm8k_answers(tmp_path):
     path = write_jsonl(tmp_path / "gsm.jsonl", GSM8K_LIKE)
     train, held_out = load_data(path, None, 10, prompt_field="question", answer_field="answer")
     assert len(train) == 80 and len(held_out) == 10
-    assert train[0] == {"prompt": "what is 10 plus 0?", "answer": "10 + 0 = 10\n#### 10"}
+    assert train[0] == {"question": "what is 10 plus 0?", "prompt": "what is 10 plus 0?",
+                        "answer": "10 + 0 = 10\n#### 10"}  # every field: an --env environment may read any
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -48,7 +49,8 @@ def test_jsonl_with_a_utf8_bom_is_read_as_utf8(tmp_path):
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + b"".join(json.dumps(r).encode() + b"\n" for r in GSM8K_LIKE[:4]))
     train, held_out = load_data(str(path), None, 1, prompt_field="question")
-    assert train[0] == {"prompt": "what is 10 plus 0?", "answer": "10 + 0 = 10\n#### 10"} and len(held_out) == 1
+    assert set(train[0]) == {"question", "prompt", "answer"} and train[0]["prompt"] == "what is 10 plus 0?"
+    assert len(held_out) == 1
 
 
 def test_jsonl_that_is_not_utf8_names_the_line(tmp_path):

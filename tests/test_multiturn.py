@@ -331,3 +331,65 @@ def test_the_calculator_example_answers_tool_calls_and_grades_the_final_answer(t
         "--max-turns", "2", "--num-steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--eval-size", "4",
         "--output-dir", str(tmp_path / "runs"), "--run-name", "calc"]))
     assert (tmp_path / "runs" / "calc" / "final").is_dir()
+
+
+# --- Runs: kill and resume, two ranks -------------------------------------------------------------------------
+
+
+def game_args(algo: str, tmp_path, name: str, *more: str) -> list[str]:
+    return [f"{algo}.py", "--task", "guess", "--num-steps", "6", "--prompts-per-step", "4", "--group-size", "4",
+            "--eval-every", "3", "--eval-size", "8", "--save-every", "2", "--output-dir", str(tmp_path),
+            "--run-name", name, *more]
+
+
+@pytest.mark.slow
+def test_a_run_on_the_game_killed_in_a_save_resumes_bitwise(tmp_path):
+    """gvpo.py on --task guess, killed with SIGKILL while it writes its step-4 checkpoint and resumed: the
+    same weights and metrics as the run never stopped. Its replayed groups are stored episodes (their
+    masks with holes, returns and turns go through the checkpoint)."""
+    import signal
+
+    from safetensors.torch import load_file
+    from test_resume import main_in_process, read_metrics, stopped_in_second_call, without_timings
+
+    more = ["--reuse-steps", "1"]
+    main_in_process(game_args("gvpo", tmp_path, "whole", *more))
+    code, _ = stopped_in_second_call(game_args("gvpo", tmp_path, "killed", *more), tmp_path, "save", signal.SIGKILL)
+    assert code == -signal.SIGKILL, "the run ended before it could be killed"
+    main_in_process([*game_args("gvpo", tmp_path, "killed", *more), "--resume", "latest"])
+    whole, resumed = (load_file(tmp_path / name / "final" / "model.safetensors") for name in ("whole", "killed"))
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)  # bitwise
+    metrics = without_timings(read_metrics(tmp_path / "whole"))
+    assert without_timings(read_metrics(tmp_path / "killed")) == metrics and metrics[0]["env/turns"] > 1
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_whose_episodes_take_different_turns_give_one_process_update(tmp_path):
+    """--task guess under FSDP on 2 ranks, where one rank's episodes end turns before the other's: every
+    forward is collective, and no rank waits forever; the new weights are those of 1 process on the same
+    episodes (sampled per row from a seed of its own, tests/pinned_run.py), to 1e-5."""
+    from pinned_run import pinned_generate
+    from safetensors.torch import load_file
+
+    import grpo
+    from conftest import ROOT, run
+    from test_runs import max_relative_difference
+
+    turns, flags = [], ["--task", "guess", "--num-steps", "1", "--prompts-per-step", "8", "--group-size", "4",
+                        "--eval-every", "0", "--eval-size", "4", "--learning-rate", "1e-3",
+                        "--output-dir", str(tmp_path)]
+
+    def recorded(*args, **kwargs):
+        rollout = pinned_generate(*args, **kwargs)
+        turns.append(rollout.turns.view(-1, 4).max(-1).values)  # each group's longest episode
+        return rollout
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(grpo, "generate", recorded)
+        grpo.main(common.cli(grpo.Args, args=[*flags, "--run-name", "one"]))
+    assert (turns[0][:4] != turns[0][4:]).any()  # a group of rank 0 and its counterpart of rank 1 end apart
+    result = run(["tests/pinned_run.py", "grpo", *flags, "--run-name", "two", "--fsdp", "--micro-batch-size", "8"],
+                 cwd=ROOT, torchrun=2, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    one, two = (load_file(tmp_path / name / "final" / "model.safetensors") for name in ("one", "two"))
+    assert max_relative_difference(one, two) <= 1e-5

@@ -164,6 +164,20 @@ def test_two_ranks_each_with_its_engine(vllm_python, tmp_path, sharding):
     assert "eval/accuracy" in metrics[-1]
 
 
+def test_episodes_of_the_game_on_two_ranks_each_with_its_engine(vllm_python, tmp_path):
+    """--task guess sampled by vLLM, turn by turn: token ids in, token ids and log-probs out. The policy's
+    tokens' log-probs are the trainer's (the gap; an observation's are 0 and masked), episodes take several
+    turns, and the two ranks' engines run as many turns whatever their episodes do (no rank waits)."""
+    result = run_vllm(vllm_python, ["grpo.py", "--vllm", "--task", "guess", "--num-steps", "2", "--eval-every", "2",
+                                    "--eval-size", "16", "--prompts-per-step", "8", "--group-size", "4",
+                                    "--output-dir", str(tmp_path), "--run-name", "r"], cwd=tmp_path, torchrun=2)
+    assert result.returncode == 0, result.stderr[-5000:]
+    metrics = read_metrics(tmp_path / "r")
+    for m in metrics[:-1]:
+        assert m["policy/sampler_logprob_gap_max"] <= GAP and m["env/turns"] > 1, m
+    assert "eval/accuracy" in metrics[-1]
+
+
 def test_a_model_without_a_pad_token(vllm_python, tmp_path, fixed_length_dataset):
     """A tokenizer without a pad token pads with EOS (the vocabulary stays as it is): the engine, built from
     the model's config, takes the pushed weights and samples what the trainer scores. (Heads of 32: vLLM's
