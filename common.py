@@ -67,8 +67,7 @@ CACHE = "cache" if "cache" in transformers.modeling_outputs.CausalLMOutputWithPa
 
 
 class UsageError(ValueError):
-    """Bad input (a flag, a file, a dataset row), with a message that names it and the fix. Each algorithm
-    file's `__main__` prints it as one line and exits with status 2, as for a malformed flag."""
+    """Bad input (a flag, a file, a dataset row), named with the fix: `__main__` prints one line, exits with 2."""
 
 
 # (flag, valid, what it must be, why): the flags every algorithm file shares, checked by `check_flags`.
@@ -100,9 +99,8 @@ FLAG_RULES = [
 
 
 def cli(args_class, args: list[str] | None = None):
-    """tyro.cli for an Args made of flag groups (its dataclass bases): `--help` shows each group under its
-    name ("Model & data options"), and the flags and Args stay flat (--seed, args.seed). tyro groups only
-    nested dataclasses, so a nested one is built from the bases here and flattened after parsing."""
+    """tyro.cli for an Args made of flag groups (its dataclass bases): --help shows each under its name, the flags
+    stay flat (--seed, args.seed). tyro groups only nested dataclasses: one is built here, flattened after parsing."""
     groups = [c for c in reversed(args_class.__mro__[1:]) if dataclasses.is_dataclass(c)]  # ExperimentFlags first
     titles = [re.sub(r"(?<=[a-z])(?=[A-Z])", " ", group.__name__.removesuffix("Flags")).capitalize()
               .replace(" and ", " & ") for group in groups]  # ModelAndDataFlags -> "Model & data"
@@ -183,9 +181,8 @@ def setup_distributed(timeout_minutes: float = 60) -> tuple[int, int, torch.devi
 
 
 def cleanup_distributed() -> None:
-    """The last call of a distributed run: wait for every rank (rank 0 may still be writing), tear the group
-    down, and on CPU end the process at once: gloo's threads outlive the group while DTensor's caches hold it
-    (after FSDP), and one that needs the GIL in interpreter teardown aborts the process (exit code -6)."""
+    """The last call of a distributed run: wait for every rank (rank 0 may still be writing), tear the group down;
+    on CPU exit at once: gloo's threads outlive it (DTensor's caches hold it, after FSDP) and abort teardown (-6)."""
     if dist.is_initialized():
         on_cpu = dist.get_backend() == "gloo"
         dist.barrier()
@@ -227,9 +224,8 @@ def no_sync(models, last: bool) -> contextlib.ExitStack:
     """Inside, backward() accumulates gradients without DDP's all-reduce for each DDP-wrapped module of
     `models`, unless this is the `last` micro-batch of the optimizer step, whose backward syncs them."""
     stack = contextlib.ExitStack()
-    for model in () if last else models:
-        if isinstance(model, DistributedDataParallel):
-            stack.enter_context(model.no_sync())
+    for model in [] if last else [m for m in models if isinstance(m, DistributedDataParallel)]:
+        stack.enter_context(model.no_sync())
     return stack
 
 
@@ -255,10 +251,9 @@ def on_every_rank(model, flag: bool, device: torch.device) -> bool:
 
 
 def load_tokenizer(name: str, flag: str = "--model"):
-    """The tokenizer of a model name or folder (the first load of a run: a mistyped --model stops here),
-    padding on the left (prompts end where generation starts). The vocabulary is never changed (the model
-    and its adapters must stay loadable as they are): without a pad token it pads with EOS, and masks, not
-    ids, say where text starts and ends. trust_remote_code=False: code from a model's folder never runs."""
+    """The tokenizer of a model name or folder (a run's first load: a mistyped --model stops here), padding on the
+    left (prompts end where generation starts). The vocabulary never changes (model and adapters stay loadable): it
+    pads with EOS when there is no pad token, and masks, not ids, say where text ends. No code from the folder runs."""
     if (Path(name) / "adapter").is_dir() and not (Path(name) / "config.json").exists():
         raise UsageError(f"{flag} {name}: a step checkpoint of a LoRA run holds its adapters (adapter/), not a "
                          "model. Go on with --resume, or start from the run's final/ (the merged model).")
@@ -274,9 +269,8 @@ def load_tokenizer(name: str, flag: str = "--model"):
 
 def load_model(name: str, dtype: str, device: torch.device, tokenizer, auto_class=AutoModelForCausalLM,
                gradient_checkpointing: bool = False):
-    """Any causal LM (or with `auto_class`, e.g. `AutoModel`, its backbone) in `dtype` ("auto": fp32 on CPU, bf16
-    on GPU). Dropout off, in the config (attention applies it from there) and in every module: log-probs must
-    be a function of the weights, also in train mode (which --gradient-checkpointing needs)."""
+    """Any causal LM (with `auto_class=AutoModel`, its backbone) in `dtype` ("auto": fp32 on CPU, bf16 on GPU), dropout
+    off (config and modules): log-probs must be a function of the weights, also in train mode (checkpointing)."""
     dtype = ("bfloat16" if device.type == "cuda" else "float32") if dtype == "auto" else dtype
     config = AutoConfig.from_pretrained(name, trust_remote_code=False)
     for sub in [config, *(v for v in vars(config).values() if isinstance(v, transformers.PretrainedConfig))]:
@@ -319,9 +313,8 @@ def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module
         model.float()
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     layer_classes = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or ()}
-    for module in model.modules():
-        if type(module).__name__ in layer_classes:
-            fully_shard(module, mp_policy=mp)
+    for module in [m for m in model.modules() if type(m).__name__ in layer_classes]:
+        fully_shard(module, mp_policy=mp)
     return fully_shard(model, mp_policy=mp)
 
 
