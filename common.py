@@ -955,9 +955,8 @@ class VllmEngine:
 
 
 def shared_prompt_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int):
-    """The KV cache of each prompt's tokens but its last, computed once and repeated for its `group_size` rows,
-    for `model.generate` to go on from; None where nothing is shared or the cache is not plain keys and
-    values (generate then runs every row's prompt)."""
+    """The KV cache of each prompt's tokens but its last, computed once and repeated for its `group_size` rows, for
+    `model.generate` to go on from; None where nothing is shared or the cache is not plain (rows run their prompts)."""
     if not on_every_rank(model, group_size > 1 and prompt_ids.shape[1] > 1, prompt_ids.device):
         return None
     ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]
@@ -997,14 +996,12 @@ def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
 
 def response_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
                            **forward_kwargs) -> torch.Tensor:
-    """The last hidden states that score the response tokens: (B, P+L) ids and mask -> (B, L, H), columns
-    P-1 .. P+L-2 (the state at column t predicts token t+1).
-
-    Rows with the same prompt (a group's G completions) share its forward: each distinct prompt runs once
-    with the KV cache, then every row's response runs against its prompt's keys and values. Attention is
-    causal, so the values are those of the whole rows, and each weight's gradient the same sum over rows,
-    for P + G L positions instead of G (P + L). The rows run whole when no prompt repeats (on some rank, for
-    a DDP or FSDP model), under gradient checkpointing in train mode, and when the cache is not plain."""
+    """The last hidden states that score the response tokens: (B, P+L) ids and mask -> (B, L, H), columns P-1 ..
+    P+L-2 (the state at column t predicts token t+1). Rows with the same prompt (a group's G completions) share its
+    forward: each distinct prompt runs once with the KV cache, then every row's response against its prompt's keys
+    and values. Attention is causal: the values and gradients are the whole rows', for P + G L positions, not G (P + L).
+    Rows run whole when no prompt repeats (on some rank, for DDP or FSDP), under gradient checkpointing in train
+    mode, and when the cache is not plain."""
     P, hf_model = prompt_length, unwrap(model)
     prompts, row_prompt = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], 1), dim=0,
                                        return_inverse=True)  # (N, 2P) distinct prompts; (B,) each row's
@@ -1042,11 +1039,10 @@ def _token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, model, temperat
 def get_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, temperature: float,
                  chunk_size: int | None = None, entropy: bool = True, recompute_above: int = 2**27
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (B, L) in fp32 of the response tokens under `model` (DDP-wrapped or not), and their
-    entropy (without gradient; None unless `entropy`), both 0 after EOS. With gradients and up to
-    `recompute_above` logits (512 MB in fp32) the logits are computed in one product and kept for the
-    backward pass; else in chunks of `chunk_size` positions (2^25 logits), recomputed in the backward pass,
-    so that the whole (B, L, V) log-softmax never exists at once."""
+    """Per-token log-probs (B, L) in fp32 of the response tokens under `model` (DDP-wrapped or not), and their entropy
+    (without gradient; None unless `entropy`), both 0 after EOS. With gradients and up to `recompute_above` logits
+    (512 MB in fp32) the logits are one product kept for backward; else chunks of `chunk_size` positions (2^25
+    logits), recomputed in backward, so that the whole (B, L, V) log-softmax never exists at once."""
     hidden = response_hidden_states(model, input_ids, attention_mask, prompt_length, logits_to_keep=1)  # (B, L, H)
     B, L, H = hidden.shape
     hidden, targets = hidden.reshape(B * L, H), input_ids[:, prompt_length:].reshape(B * L)
@@ -1054,12 +1050,9 @@ def get_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
     recompute = torch.is_grad_enabled() and B * L * vocab_size > recompute_above
     kept = torch.is_grad_enabled() and not recompute
     chunk_size = chunk_size or (max(1, B * L) if kept else max(1, 2**25 // vocab_size))  # positions per chunk
-    logprobs, entropies = [], []
-    for i in range(0, B * L, chunk_size):
-        args = (hidden[i : i + chunk_size], targets[i : i + chunk_size], model, temperature, entropy)
-        lp, ent = checkpoint(_token_logprobs, *args, use_reentrant=False) if recompute else _token_logprobs(*args)
-        logprobs.append(lp)
-        entropies.append(ent)
+    chunk = functools.partial(checkpoint, _token_logprobs, use_reentrant=False) if recompute else _token_logprobs
+    logprobs, entropies = zip(*[chunk(hidden[i : i + chunk_size], targets[i : i + chunk_size], model, temperature,
+                                      entropy) for i in range(0, B * L, chunk_size)])  # each chunk's (N,), (N,)
     real = attention_mask[:, prompt_length:]  # (B, L) 0 after EOS: those positions are set to 0, not garbage
     return torch.cat(logprobs).view(B, L) * real, torch.cat(entropies).view(B, L) * real if entropy else None
 
@@ -1074,11 +1067,10 @@ def rollout_logprobs(model, rollout: Rollout, temperature: float, micro_batch_si
 
 def sampler_logprob_gap(sampler_logprobs: torch.Tensor, logprobs: torch.Tensor, response_mask: torch.Tensor,
                         correction: str = "none", cap: float = 2.0) -> dict[str, torch.Tensor]:
-    """How far the trainer's log-probs (B, L) of the sampled tokens are from the sampler's, over every rank's
-    response tokens: `policy/sampler_logprob_gap` (mean |difference|) and `_max`, ~1e-6 when the two compute
-    the same distribution in fp32. With a `correction`, what it did: the mean of its weights, and the share of
-    response tokens and of completions (any of their tokens) truncated (*tis: below the uncapped ratio) or
-    masked (*mis: weight 0)."""
+    """How far the trainer's log-probs (B, L) of the sampled tokens are from the sampler's, over every rank's response
+    tokens: `policy/sampler_logprob_gap` (mean |difference|) and `_max`, ~1e-6 when the two compute the same
+    distribution in fp32. With a `correction`, what it did: the mean of its weights, and the share of response tokens
+    and of completions (any of their tokens) truncated (*tis: below the uncapped ratio) or masked (*mis: weight 0)."""
     mask = response_mask.bool()
     difference = torch.where(mask, (sampler_logprobs - logprobs).abs(), 0.0).double()  # (B, L)
     sums = [difference.sum(), mask.sum().double()]
@@ -1099,16 +1091,15 @@ def sampler_logprob_gap(sampler_logprobs: torch.Tensor, logprobs: torch.Tensor, 
 
 def rollout_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, response_mask: torch.Tensor,
                     correction: str, cap: float) -> torch.Tensor | None:
-    """The rollout correction's per-token weights (B, L), without gradient; None for "none". A sampler other
-    than the trainer (vLLM: bf16, its own kernels) draws from pi_s, not the trainer's pi_old, even at the same
-    weights, so each token's loss is weighted by its ratio w_t = pi_old / pi_s, or by its completion's:
+    """The rollout correction's per-token weights (B, L), without gradient; None for "none". A sampler other than the
+    trainer (vLLM: bf16, its own kernels) draws from pi_s, not pi_old, even at the same weights, so each token's loss
+    is weighted by its ratio w_t = pi_old / pi_s, or by its completion's (in log space, within e^+-20 as verl does):
       "tis"      min(w_t, C): truncated importance sampling (Yao et al. 2025; TRL's token_truncate)
       "mis"      1 where 1/C <= w_t <= C, else 0: verl's token-level rejection (token_k1); IcePop and TRL's
                  token_mask keep w_t on the kept tokens instead of 1
       "seq-tis"  min(prod_t w_t, C) on every token of the completion (verl's rollout_is="sequence")
       "seq-mis"  1 where 1/C <= prod_t w_t <= C, else 0: the completion left out (verl's seq_sum_k1)
-      "geo-mis"  the same for exp(mean_t log w_t), which does not grow with the length (verl's seq_mean_k1)
-    Over the response tokens; the products in log space, exponentiated within e^+-20 as verl does."""
+      "geo-mis"  the same for exp(mean_t log w_t), which does not grow with the length (verl's seq_mean_k1)"""
     if correction == "none":
         return None
     log_ratio = ((old_logprobs - sampler_logprobs) * response_mask).detach()  # (B, L) log w_t, 0 after EOS
@@ -1122,10 +1113,8 @@ def rollout_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, 
 
 
 def reweighted(logprobs: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    """`logprobs` (B, L) with exactly the same values (lp + w * 0) and each token's gradient multiplied by its
-    weight (None: as they are). Every loss here reaches the policy's weights through the log-probs only, so
-    every term of a token's loss is weighted, whatever the loss, and the normaliser (tokens, sequences) stays
-    as it is."""
+    """`logprobs` (B, L) with the same values (lp + w * 0), each token's gradient times its weight (None: as they are).
+    Losses reach the weights through the log-probs only: every term is weighted, the normaliser stays as it is."""
     return logprobs if weights is None else logprobs.detach() + weights * (logprobs - logprobs.detach())
 
 
