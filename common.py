@@ -240,8 +240,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def on_every_rank(model, flag: bool, device: torch.device) -> bool:
-    """`flag` where every rank has it when the model's forward is collective (DDP broadcasts buffers, FSDP
-    all-gathers weights), so that the ranks run the same forwards."""
+    """`flag` where every rank has it, when the forward is collective (DDP broadcasts buffers, FSDP gathers weights)."""
     collective = isinstance(model, DistributedDataParallel) or isinstance(unwrap(model), FSDPModule)
     return bool(all_reduce(torch.tensor(int(flag), device=device), "min")) if dist.is_initialized() and collective \
         else flag
@@ -278,9 +277,8 @@ def load_model(name: str, dtype: str, device: torch.device, tokenizer, auto_clas
             setattr(sub, key, 0.0)  # attention_dropout, resid_pdrop, layerdrop, ...
     model = auto_class.from_pretrained(name, config=config, dtype=getattr(torch, dtype), trust_remote_code=False)
     model.config.pad_token_id = tokenizer.pad_token_id
-    for module in model.modules():  # also dropout modules built with a rate of their own, not the config's
-        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
-            module.p = 0.0
+    for dropout in [m for m in model.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd)]:
+        dropout.p = 0.0  # also the modules built with a rate of their own, not the config's
     model = model.to(device)
     if model.get_output_embeddings() is not None:
         check_output_logits(model, name)
@@ -355,8 +353,7 @@ class AdaptersOff:
 
 
 def load_reference(args, policy, tokenizer, device: torch.device):
-    """The frozen reference: with LoRA the policy with its adapters off, else a copy of --model (loaded with the
-    policy's seed), sharded like the policy."""
+    """The frozen reference: with LoRA the policy, adapters off; else --model loaded with its seed, sharded like it."""
     if is_lora(policy):
         return AdaptersOff(unwrap(policy))
     torch.manual_seed(args.seed)
@@ -369,10 +366,8 @@ def plain_weights(model, state: dict | None = None):
     turn; LoRA: merged, W + scale * B A); `state`: a full state dict to read instead of the model's."""
     peft_model = unwrap(model)
     state = peft_model.state_dict() if state is None else state
-    for key, value in state.items():
-        if ".lora_" in key:
-            continue
-        value, layer = whole(value), key.rsplit(".base_layer.", 1)[0]
+    for key in [key for key in state if ".lora_" not in key]:  # the adapters go into their base weights
+        value, layer = whole(state[key]), key.rsplit(".base_layer.", 1)[0]
         if key.endswith(".base_layer.weight") and f"{layer}.lora_A.default.weight" in state:
             a, b = (whole(state[f"{layer}.lora_{x}.default.weight"]) for x in "AB")
             value = value + peft_model.get_submodule(layer).scaling["default"] * b @ a
