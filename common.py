@@ -1172,9 +1172,8 @@ def timed(seconds: dict[str, float], name: str):
 
 
 class Logger:
-    """Each step's metrics, averaged over ranks (call it on every rank; only rank 0 writes): one line on stdout
-    with the ETA, every metric as a JSON line in `<run_dir>/metrics.jsonl` (NaN and inf as null, so every line
-    is valid JSON), TensorBoard when installed, Weights & Biases with `track`. Writes config.json too."""
+    """Each step's metrics averaged over ranks (call it on every rank; rank 0 writes): a line on stdout with the ETA,
+    a JSON line in <run_dir>/metrics.jsonl (NaN, inf: null), TensorBoard if installed, W&B with `track`; config.json."""
 
     SHOWN = ("reward/mean", "eval/accuracy", "eval/accuracy_greedy", "loss/policy", "policy/clipfrac", "perf/step_s")
 
@@ -1193,7 +1192,6 @@ class Logger:
         self.file = open(run_dir / "metrics.jsonl", "a")  # a resumed run appends (claim_run_dir cut it back)
         with contextlib.suppress(ImportError):
             from torch.utils.tensorboard import SummaryWriter
-
             self.tensorboard = SummaryWriter(str(run_dir))
 
     def log(self, step: int, metrics: dict[str, float | torch.Tensor]) -> None:
