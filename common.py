@@ -1231,18 +1231,16 @@ _held_locks = {}  # run folder -> its open lock file, held by this process until
 
 
 def prepare_run_dir(run_info: dict, rank: int) -> tuple[Path, Path | None]:
-    """(the run's folder, the checkpoint to resume from or None), the same on every rank; nothing is written
-    yet. run_info: {"algorithm": the file's name, "config": asdict(args)}. A run writes to
-    <output-dir>/<run-name>, except that `--resume <run>/step_N` without --run-name goes on in <run> when
-    step_N is its newest checkpoint; any other resume starts a new run folder."""
+    """(the run's folder, the checkpoint to resume from or None), the same on every rank; nothing is written yet.
+    run_info: {"algorithm": the file's name, "config": asdict(args)}. A run writes to <output-dir>/<run-name>, but
+    `--resume <run>/step_N` without --run-name goes on in <run> if step_N is its newest; other resumes start anew."""
     return _on_rank_0(_find_run_dir, rank, run_info)
 
 
 def claim_run_dir(run_dir: Path, checkpoint: Path | None, rank: int) -> None:
-    """Take run_dir before anything is written there: created and locked (flock, released by the OS when the
-    process ends, even killed), so a second run of that name stops here. Its metrics.jsonl: the lines of the
-    checkpoint's run before its step (none for a new run), what it held kept as metrics.jsonl.old. From here on
-    a Ctrl-C prints the command that goes on from the last checkpoint, not a traceback."""
+    """Take run_dir before anything is written there: created and locked (flock, freed by the OS when the process
+    ends, even killed): a second run of that name stops here. metrics.jsonl keeps the checkpoint's run's lines before
+    its step (none for a new run; the old file moved aside). From here a Ctrl-C prints how to go on, not a traceback."""
     _on_rank_0(_claim, rank, run_dir, checkpoint)
     sys.excepthook = functools.partial(_explain_interrupt, sys.excepthook, run_dir, rank)
 
@@ -1288,8 +1286,8 @@ def resume_hint(run_dir: Path) -> str:
     kept = [a for i, a in enumerate(argv)
             if a.split("=")[0] not in replaced and (i == 0 or argv[i - 1] not in replaced)]
     world_size, nodes = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("GROUP_WORLD_SIZE", 1))
-    launcher = ["torchrun", f"--nnodes={nodes}", f"--nproc_per_node={world_size // nodes}"] if world_size > 1 else \
-        ["python"]
+    launcher = ["torchrun", f"--nnodes={nodes}", f"--nproc_per_node={world_size // nodes}"] if world_size > 1 \
+        else ["python"]
     command = shlex.join([*launcher, sys.argv[0], *kept, "--output-dir", str(run_dir.parent), "--run-name",
                           run_dir.name, "--resume", "latest"])
     return f"Last checkpoint: {checkpoint}. Go on from it with: {command}" + \
@@ -1363,8 +1361,7 @@ def _move_aside(path: Path) -> Path:
 
 
 def _read_info(checkpoint: Path) -> dict:
-    """The checkpoint.json of a checkpoint folder: the algorithm file, step, number of ranks and flags that
-    wrote it ({} when there is none: not a checkpoint of this project)."""
+    """The checkpoint.json of a checkpoint folder ({} when there is none: not a checkpoint of this project)."""
     file = Path(checkpoint) / CHECKPOINT_INFO
     return json.loads(file.read_text()) if file.is_file() else {}
 
@@ -1381,8 +1378,8 @@ def _step_folders(run_dir: Path) -> list[Path]:
 
 
 def _check_same_run(checkpoint: Path, run_info: dict) -> None:
-    """Stop when the checkpoint was written by another algorithm file or number of ranks, or when it is past
-    --num-steps; print the other flags that changed."""
+    """Stop if another algorithm file or number of ranks wrote the checkpoint, or it is past --num-steps; print
+    the other flags that changed."""
     saved, config = _read_info(checkpoint), run_info["config"]
     if saved["algorithm"] != run_info["algorithm"]:
         raise UsageError(f"--resume {checkpoint}: written by {saved['algorithm']}, resumed by "
