@@ -1404,14 +1404,12 @@ def _check_same_run(checkpoint: Path, run_info: dict) -> None:
 
 def save_checkpoint(path: Path, modules: dict[str, torch.nn.Module], tokenizer, rank: int, run_info: dict,
                     optimizer=None, step: int = 0, extra: dict | None = None, keep: int = 0) -> None:
-    """Write a checkpoint folder (call on every rank): the policy and tokenizer in `save_pretrained` format (FSDP:
-    gathered to rank 0's CPU memory; LoRA: the adapters in adapter/, and in final/ the merged model beside
-    them); checkpoint.json (the file, step, ranks and flags); with an optimizer the resumable state: every
-    module's trained weights and the optimizer state in training_state/, safetensors written by DCP (each rank
-    its own shards), and rank_<r>.safetensors (each rank's RNG states and algorithm state `extra`).
-    All is written into `<path>.tmp`, flushed to disk and renamed once every rank has written its part: a
-    crash never leaves a partial `path` (a failed write or a Ctrl-C removes the .tmp). A folder already at
-    `path` is moved aside, never deleted; with `keep` > 0 only the newest `keep` step checkpoints are kept."""
+    """Write a checkpoint folder (call on every rank): the policy and tokenizer as `save_pretrained` writes them (FSDP:
+    gathered to rank 0's CPU; LoRA: the adapters in adapter/, and in final/ the merged model too), checkpoint.json;
+    with an optimizer the resumable state: every module's trained weights and the optimizer state in training_state/
+    (DCP: each rank its shards), each rank's RNG states and algorithm state `extra` in rank_<r>.safetensors. Written
+    into `<path>.tmp`, synced and renamed once every rank is done: a crash never leaves a partial `path` (a failed
+    write or Ctrl-C removes the .tmp). A folder at `path` is moved aside; `keep` > 0 keeps the newest `keep` steps."""
     path, distributed = Path(path), dist.is_initialized()
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -1428,11 +1426,8 @@ def save_checkpoint(path: Path, modules: dict[str, torch.nn.Module], tokenizer, 
             weights = dcp_state.get_model_state_dict(policy, options=options)
         if rank == 0:
             hf_model = unwrap(policy)
-            if is_lora(policy):
-                hf_model.save_pretrained(tmp / "adapter", state_dict=weights)
-            if not is_lora(policy):
-                hf_model.save_pretrained(tmp, state_dict=weights)
-            elif optimizer is None:  # final/: the merged model, which loads without peft
+            hf_model.save_pretrained(tmp / "adapter" if is_lora(policy) else tmp, state_dict=weights)
+            if is_lora(policy) and optimizer is None:  # final/: the merged model too, which loads without peft
                 hf_model.get_base_model().save_pretrained(tmp, state_dict=dict(plain_weights(policy, weights)))
             tokenizer.save_pretrained(tmp)
             info = {"algorithm": run_info["algorithm"], "step": step, "resumable": optimizer is not None,
@@ -1473,9 +1468,7 @@ def _save_training_state(tmp: Path, modules: dict[str, torch.nn.Module], optimiz
         state = _training_state(modules, optimizer)
         # A weight and its optimizer state in a file of their own: safetensors builds a whole file in memory
         # before writing it, so a save needs twice the largest weight's state, not the rank's.
-        number = {name: i for i, name in enumerate(state["model"], 1)}  # each weight's file
-        for name in state["optimizer"]:
-            number.setdefault(name, len(number) + 1)
+        number = {name: i for i, name in enumerate(dict.fromkeys([*state["model"], *state["optimizer"]]), 1)}
         files = {f"model.{name}": number[name] for name in state["model"]}
         files |= {f"optimizer.{name}.{key}": number[name] for name, values in state["optimizer"].items()
                   for key in values}
@@ -1537,11 +1530,10 @@ def _unflatten(value, tensors: dict):
 
 def load_checkpoint(path: Path | None, modules: dict[str, torch.nn.Module], optimizer, rank: int
                     ) -> tuple[int, dict]:
-    """Restore what `save_checkpoint` wrote, in place (each rank reads its own shards), and this rank's RNG
-    state: (the step to go on from, this rank's algorithm state); (0, {}) for `path` None, a new run. Nothing
-    is unpickled. The number of ranks must be the one that saved: DCP could reshard weights and optimizer,
-    but each rank's sampling stream and algorithm state (GVPO's replayed groups) have no counterpart on
-    another count, and a resumed run is the run that stopped, bitwise."""
+    """Restore what `save_checkpoint` wrote, in place (each rank its own shards), and this rank's RNG state: (the step
+    to go on from, this rank's algorithm state); (0, {}) for `path` None, a new run. Nothing is unpickled. The ranks
+    must be as many as saved: DCP could reshard weights and optimizer, but each rank's sampling stream and algorithm
+    state (GVPO's replayed groups) have no counterpart on another count; a resumed run is the one that stopped."""
     if path is None:
         return 0, {}
     model, state, device = torch.nn.ModuleDict(modules), _training_state(modules, optimizer), current_device()
