@@ -169,15 +169,14 @@ def setup_distributed(timeout_minutes: float = 60) -> tuple[int, int, torch.devi
     collective that waits longer than `timeout_minutes` (--dist-timeout) for another rank fails."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # current_device() from here on
     if world_size > 1:
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=current_device() if cuda else None,
                                 timeout=datetime.timedelta(minutes=timeout_minutes))
     if rank > 0:  # transformers' progress bars (loading, saving): rank 0's alone, as for every other line
         transformers.utils.logging.disable_progress_bar()
-    return rank, world_size, device
+    return rank, world_size, current_device()
 
 
 def cleanup_distributed() -> None:
@@ -221,8 +220,7 @@ def all_reduce_mean(metrics: dict[str, float | torch.Tensor]) -> dict[str, float
 
 
 def no_sync(models, last: bool) -> contextlib.ExitStack:
-    """Inside, backward() accumulates gradients without DDP's all-reduce for each DDP-wrapped module of
-    `models`, unless this is the `last` micro-batch of the optimizer step, whose backward syncs them."""
+    """Inside, backward() accumulates DDP modules' gradients without all-reduce, except on the `last` micro-batch."""
     stack = contextlib.ExitStack()
     for model in [] if last else [m for m in models if isinstance(m, DistributedDataParallel)]:
         stack.enter_context(model.no_sync())
@@ -304,8 +302,7 @@ def check_output_logits(model, name: str) -> None:
 
 
 def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """FSDP2, in place: each decoder layer (`_no_split_modules`), then the rest; on GPU fp32 master weights,
-    bf16 compute, gradients reduced in fp32."""
+    """FSDP2 in place: each decoder layer (`_no_split_modules`), then the rest; on GPU fp32 weights, bf16 compute."""
     mp = MixedPrecisionPolicy()
     if device.type == "cuda":
         model.float()
@@ -1378,8 +1375,7 @@ def _step_folders(run_dir: Path) -> list[Path]:
 
 
 def _check_same_run(checkpoint: Path, run_info: dict) -> None:
-    """Stop if another algorithm file or number of ranks wrote the checkpoint, or it is past --num-steps; print
-    the other flags that changed."""
+    """Stop if another file or number of ranks wrote the checkpoint, or it is past --num-steps; print changed flags."""
     saved, config = _read_info(checkpoint), run_info["config"]
     if saved["algorithm"] != run_info["algorithm"]:
         raise UsageError(f"--resume {checkpoint}: written by {saved['algorithm']}, resumed by "
@@ -1474,10 +1470,9 @@ def _save_training_state(tmp: Path, modules: dict[str, torch.nn.Module], optimiz
                   for key in values}
         writer = dcp.HuggingFaceStorageWriter(str(tmp / TRAINING_STATE), files, save_distributed=dist.is_initialized())
         dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
-    cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    tensors, own = {}, {"rng": torch.get_rng_state(), "cuda_rng": cuda_rng, "python_rng": random.getstate(),
-                        "extra": extra or {}}
-    plain = json.dumps(_flatten(own, tensors, "own"))  # the tensors go into `tensors`, the rest stays
+    own = {"rng": torch.get_rng_state(), "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+           "python_rng": random.getstate(), "extra": extra or {}}
+    plain = json.dumps(_flatten(own, tensors := {}, "own"))  # the tensors go into `tensors`, the rest stays
     (tmp / f"rank_{rank}.safetensors").write_bytes(safetensors_bytes(tensors, {"state": plain}))
 
 
