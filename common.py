@@ -69,8 +69,7 @@ CACHE = "cache" if "cache" in transformers.modeling_outputs.CausalLMOutputWithPa
 
 
 class UsageError(ValueError):
-    """Bad input (a flag, a file, a dataset row), with a message that names it and the fix. Each algorithm
-    file's `__main__` prints it as one line and exits with status 2, as for a malformed flag."""
+    """Bad input (a flag, a file, a dataset row), named with the fix: `__main__` prints one line, exits with 2."""
 
 
 # (flag, valid, what it must be, why): the flags every algorithm file shares, checked by `check_flags`.
@@ -104,9 +103,8 @@ FLAG_RULES = [
 
 
 def cli(args_class, args: list[str] | None = None):
-    """tyro.cli for an Args made of flag groups (its dataclass bases): `--help` shows each group under its
-    name ("Model & data options"), and the flags and Args stay flat (--seed, args.seed). tyro groups only
-    nested dataclasses, so a nested one is built from the bases here and flattened after parsing."""
+    """tyro.cli for an Args made of flag groups (its dataclass bases): --help shows each under its name, the flags
+    stay flat (--seed, args.seed). tyro groups only nested dataclasses: one is built here, flattened after parsing."""
     groups = [c for c in reversed(args_class.__mro__[1:]) if dataclasses.is_dataclass(c)]  # ExperimentFlags first
     titles = [re.sub(r"(?<=[a-z])(?=[A-Z])", " ", group.__name__.removesuffix("Flags")).capitalize()
               .replace(" and ", " & ") for group in groups]  # ModelAndDataFlags -> "Model & data"
@@ -183,21 +181,19 @@ def setup_distributed(timeout_minutes: float = 60) -> tuple[int, int, torch.devi
     collective that waits longer than `timeout_minutes` (--dist-timeout) for another rank fails."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # current_device() from here on
     if world_size > 1:
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=current_device() if cuda else None,
                                 timeout=datetime.timedelta(minutes=timeout_minutes))
     if rank > 0:  # transformers' progress bars (loading, saving): rank 0's alone, as for every other line
         transformers.utils.logging.disable_progress_bar()
-    return rank, world_size, device
+    return rank, world_size, current_device()
 
 
 def cleanup_distributed() -> None:
-    """The last call of a distributed run: wait for every rank (rank 0 may still be writing), tear the group
-    down, and on CPU end the process at once: gloo's threads outlive the group while DTensor's caches hold it
-    (after FSDP), and one that needs the GIL in interpreter teardown aborts the process (exit code -6)."""
+    """The last call of a distributed run: wait for every rank (rank 0 may still be writing), tear the group down;
+    on CPU exit at once: gloo's threads outlive it (DTensor's caches hold it, after FSDP) and abort teardown (-6)."""
     if dist.is_initialized():
         on_cpu = dist.get_backend() == "gloo"
         dist.barrier()
@@ -236,12 +232,10 @@ def all_reduce_mean(metrics: dict[str, float | torch.Tensor]) -> dict[str, float
 
 
 def no_sync(models, last: bool) -> contextlib.ExitStack:
-    """Inside, backward() accumulates gradients without DDP's all-reduce for each DDP-wrapped module of
-    `models`, unless this is the `last` micro-batch of the optimizer step, whose backward syncs them."""
+    """Inside, backward() accumulates DDP modules' gradients without all-reduce, except on the `last` micro-batch."""
     stack = contextlib.ExitStack()
-    for model in () if last else models:
-        if isinstance(model, DistributedDataParallel):
-            stack.enter_context(model.no_sync())
+    for model in [] if last else [m for m in models if isinstance(m, DistributedDataParallel)]:
+        stack.enter_context(model.no_sync())
     return stack
 
 
@@ -256,8 +250,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def on_every_rank(model, flag: bool, device: torch.device) -> bool:
-    """`flag` where every rank has it when the model's forward is collective (DDP broadcasts buffers, FSDP
-    all-gathers weights), so that the ranks run the same forwards."""
+    """`flag` where every rank has it, when the forward is collective (DDP broadcasts buffers, FSDP gathers weights)."""
     collective = isinstance(model, DistributedDataParallel) or isinstance(unwrap(model), FSDPModule)
     return bool(all_reduce(torch.tensor(int(flag), device=device), "min")) if dist.is_initialized() and collective \
         else flag
@@ -267,10 +260,9 @@ def on_every_rank(model, flag: bool, device: torch.device) -> bool:
 
 
 def load_tokenizer(name: str, flag: str = "--model"):
-    """The tokenizer of a model name or folder (the first load of a run: a mistyped --model stops here),
-    padding on the left (prompts end where generation starts). The vocabulary is never changed (the model
-    and its adapters must stay loadable as they are): without a pad token it pads with EOS, and masks, not
-    ids, say where text starts and ends. trust_remote_code=False: code from a model's folder never runs."""
+    """The tokenizer of a model name or folder (a run's first load: a mistyped --model stops here), padding on the
+    left (prompts end where generation starts). The vocabulary never changes (model and adapters stay loadable): it
+    pads with EOS when there is no pad token, and masks, not ids, say where text ends. No code from the folder runs."""
     if (Path(name) / "adapter").is_dir() and not (Path(name) / "config.json").exists():
         raise UsageError(f"{flag} {name}: a step checkpoint of a LoRA run holds its adapters (adapter/), not a "
                          "model. Go on with --resume, or start from the run's final/ (the merged model).")
@@ -286,9 +278,8 @@ def load_tokenizer(name: str, flag: str = "--model"):
 
 def load_model(name: str, dtype: str, device: torch.device, tokenizer, auto_class=AutoModelForCausalLM,
                gradient_checkpointing: bool = False):
-    """Any causal LM (or with `auto_class`, e.g. `AutoModel`, its backbone) in `dtype` ("auto": fp32 on CPU, bf16
-    on GPU). Dropout off, in the config (attention applies it from there) and in every module: log-probs must
-    be a function of the weights, also in train mode (which --gradient-checkpointing needs)."""
+    """Any causal LM (with `auto_class=AutoModel`, its backbone) in `dtype` ("auto": fp32 on CPU, bf16 on GPU), dropout
+    off (config and modules): log-probs must be a function of the weights, also in train mode (checkpointing)."""
     dtype = ("bfloat16" if device.type == "cuda" else "float32") if dtype == "auto" else dtype
     config = AutoConfig.from_pretrained(name, trust_remote_code=False)
     for sub in [config, *(v for v in vars(config).values() if isinstance(v, transformers.PretrainedConfig))]:
@@ -296,9 +287,8 @@ def load_model(name: str, dtype: str, device: torch.device, tokenizer, auto_clas
             setattr(sub, key, 0.0)  # attention_dropout, resid_pdrop, layerdrop, ...
     model = auto_class.from_pretrained(name, config=config, dtype=getattr(torch, dtype), trust_remote_code=False)
     model.config.pad_token_id = tokenizer.pad_token_id
-    for module in model.modules():  # also dropout modules built with a rate of their own, not the config's
-        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
-            module.p = 0.0
+    for dropout in [m for m in model.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd)]:
+        dropout.p = 0.0  # also the modules built with a rate of their own, not the config's
     model = model.to(device)
     if model.get_output_embeddings() is not None:
         check_output_logits(model, name)
@@ -324,16 +314,14 @@ def check_output_logits(model, name: str) -> None:
 
 
 def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """FSDP2, in place: each decoder layer (`_no_split_modules`), then the rest; on GPU fp32 master weights,
-    bf16 compute, gradients reduced in fp32."""
+    """FSDP2 in place: each decoder layer (`_no_split_modules`), then the rest; on GPU fp32 weights, bf16 compute."""
     mp = MixedPrecisionPolicy()
     if device.type == "cuda":
         model.float()
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     layer_classes = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or ()}
-    for module in model.modules():
-        if type(module).__name__ in layer_classes:
-            fully_shard(module, mp_policy=mp)
+    for module in [m for m in model.modules() if type(m).__name__ in layer_classes]:
+        fully_shard(module, mp_policy=mp)
     return fully_shard(model, mp_policy=mp)
 
 
@@ -374,8 +362,7 @@ class AdaptersOff:
 
 
 def load_reference(args, policy, tokenizer, device: torch.device):
-    """The frozen reference: with LoRA the policy with its adapters off, else a copy of --model (loaded with the
-    policy's seed), sharded like the policy."""
+    """The frozen reference: with LoRA the policy, adapters off; else --model loaded with its seed, sharded like it."""
     if is_lora(policy):
         return AdaptersOff(unwrap(policy))
     torch.manual_seed(args.seed)
@@ -388,10 +375,8 @@ def plain_weights(model, state: dict | None = None):
     turn; LoRA: merged, W + scale * B A); `state`: a full state dict to read instead of the model's."""
     peft_model = unwrap(model)
     state = peft_model.state_dict() if state is None else state
-    for key, value in state.items():
-        if ".lora_" in key:
-            continue
-        value, layer = whole(value), key.rsplit(".base_layer.", 1)[0]
+    for key in [key for key in state if ".lora_" not in key]:  # the adapters go into their base weights
+        value, layer = whole(state[key]), key.rsplit(".base_layer.", 1)[0]
         if key.endswith(".base_layer.weight") and f"{layer}.lora_A.default.weight" in state:
             a, b = (whole(state[f"{layer}.lora_{x}.default.weight"]) for x in "AB")
             value = value + peft_model.get_submodule(layer).scaling["default"] * b @ a
@@ -1146,9 +1131,8 @@ class VllmEngine:
 
 
 def shared_prompt_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int):
-    """The KV cache of each prompt's tokens but its last, computed once and repeated for its `group_size` rows,
-    for `model.generate` to go on from; None where nothing is shared or the cache is not plain keys and
-    values (generate then runs every row's prompt)."""
+    """The KV cache of each prompt's tokens but its last, computed once and repeated for its `group_size` rows, for
+    `model.generate` to go on from; None where nothing is shared or the cache is not plain (rows run their prompts)."""
     if not on_every_rank(model, group_size > 1 and prompt_ids.shape[1] > 1, prompt_ids.device):
         return None
     ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]
@@ -1188,14 +1172,12 @@ def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
 
 def response_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
                            **forward_kwargs) -> torch.Tensor:
-    """The last hidden states that score the response tokens: (B, P+L) ids and mask -> (B, L, H), columns
-    P-1 .. P+L-2 (the state at column t predicts token t+1).
-
-    Rows with the same prompt (a group's G completions) share its forward: each distinct prompt runs once
-    with the KV cache, then every row's response runs against its prompt's keys and values. Attention is
-    causal, so the values are those of the whole rows, and each weight's gradient the same sum over rows,
-    for P + G L positions instead of G (P + L). The rows run whole when no prompt repeats (on some rank, for
-    a DDP or FSDP model), under gradient checkpointing in train mode, and when the cache is not plain."""
+    """The last hidden states that score the response tokens: (B, P+L) ids and mask -> (B, L, H), columns P-1 ..
+    P+L-2 (the state at column t predicts token t+1). Rows with the same prompt (a group's G completions) share its
+    forward: each distinct prompt runs once with the KV cache, then every row's response against its prompt's keys
+    and values. Attention is causal: the values and gradients are the whole rows', for P + G L positions, not G (P + L).
+    Rows run whole when no prompt repeats (on some rank, for DDP or FSDP), under gradient checkpointing in train
+    mode, and when the cache is not plain."""
     P, hf_model = prompt_length, unwrap(model)
     prompts, row_prompt = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], 1), dim=0,
                                        return_inverse=True)  # (N, 2P) distinct prompts; (B,) each row's
@@ -1233,11 +1215,10 @@ def _token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, model, temperat
 def get_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, temperature: float,
                  chunk_size: int | None = None, entropy: bool = True, recompute_above: int = 2**27
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (B, L) in fp32 of the response tokens under `model` (DDP-wrapped or not), and their
-    entropy (without gradient; None unless `entropy`), both 0 after EOS. With gradients and up to
-    `recompute_above` logits (512 MB in fp32) the logits are computed in one product and kept for the
-    backward pass; else in chunks of `chunk_size` positions (2^25 logits), recomputed in the backward pass,
-    so that the whole (B, L, V) log-softmax never exists at once."""
+    """Per-token log-probs (B, L) in fp32 of the response tokens under `model` (DDP-wrapped or not), and their entropy
+    (without gradient; None unless `entropy`), both 0 after EOS. With gradients and up to `recompute_above` logits
+    (512 MB in fp32) the logits are one product kept for backward; else chunks of `chunk_size` positions (2^25
+    logits), recomputed in backward, so that the whole (B, L, V) log-softmax never exists at once."""
     hidden = response_hidden_states(model, input_ids, attention_mask, prompt_length, logits_to_keep=1)  # (B, L, H)
     B, L, H = hidden.shape
     hidden, targets = hidden.reshape(B * L, H), input_ids[:, prompt_length:].reshape(B * L)
@@ -1245,12 +1226,9 @@ def get_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
     recompute = torch.is_grad_enabled() and B * L * vocab_size > recompute_above
     kept = torch.is_grad_enabled() and not recompute
     chunk_size = chunk_size or (max(1, B * L) if kept else max(1, 2**25 // vocab_size))  # positions per chunk
-    logprobs, entropies = [], []
-    for i in range(0, B * L, chunk_size):
-        args = (hidden[i : i + chunk_size], targets[i : i + chunk_size], model, temperature, entropy)
-        lp, ent = checkpoint(_token_logprobs, *args, use_reentrant=False) if recompute else _token_logprobs(*args)
-        logprobs.append(lp)
-        entropies.append(ent)
+    chunk = functools.partial(checkpoint, _token_logprobs, use_reentrant=False) if recompute else _token_logprobs
+    logprobs, entropies = zip(*[chunk(hidden[i : i + chunk_size], targets[i : i + chunk_size], model, temperature,
+                                      entropy) for i in range(0, B * L, chunk_size)])  # each chunk's (N,), (N,)
     real = attention_mask[:, prompt_length:]  # (B, L) 0 after EOS: those positions are set to 0, not garbage
     return torch.cat(logprobs).view(B, L) * real, torch.cat(entropies).view(B, L) * real if entropy else None
 
@@ -1265,11 +1243,10 @@ def rollout_logprobs(model, rollout: Rollout, temperature: float, micro_batch_si
 
 def sampler_logprob_gap(sampler_logprobs: torch.Tensor, logprobs: torch.Tensor, response_mask: torch.Tensor,
                         correction: str = "none", cap: float = 2.0) -> dict[str, torch.Tensor]:
-    """How far the trainer's log-probs (B, L) of the sampled tokens are from the sampler's, over every rank's
-    response tokens: `policy/sampler_logprob_gap` (mean |difference|) and `_max`, ~1e-6 when the two compute
-    the same distribution in fp32. With a `correction`, what it did: the mean of its weights, and the share of
-    response tokens and of completions (any of their tokens) truncated (*tis: below the uncapped ratio) or
-    masked (*mis: weight 0)."""
+    """How far the trainer's log-probs (B, L) of the sampled tokens are from the sampler's, over every rank's response
+    tokens: `policy/sampler_logprob_gap` (mean |difference|) and `_max`, ~1e-6 when the two compute the same
+    distribution in fp32. With a `correction`, what it did: the mean of its weights, and the share of response tokens
+    and of completions (any of their tokens) truncated (*tis: below the uncapped ratio) or masked (*mis: weight 0)."""
     mask = response_mask.bool()
     difference = torch.where(mask, (sampler_logprobs - logprobs).abs(), 0.0).double()  # (B, L)
     sums = [difference.sum(), mask.sum().double()]
@@ -1290,16 +1267,15 @@ def sampler_logprob_gap(sampler_logprobs: torch.Tensor, logprobs: torch.Tensor, 
 
 def rollout_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, response_mask: torch.Tensor,
                     correction: str, cap: float) -> torch.Tensor | None:
-    """The rollout correction's per-token weights (B, L), without gradient; None for "none". A sampler other
-    than the trainer (vLLM: bf16, its own kernels) draws from pi_s, not the trainer's pi_old, even at the same
-    weights, so each token's loss is weighted by its ratio w_t = pi_old / pi_s, or by its completion's:
+    """The rollout correction's per-token weights (B, L), without gradient; None for "none". A sampler other than the
+    trainer (vLLM: bf16, its own kernels) draws from pi_s, not pi_old, even at the same weights, so each token's loss
+    is weighted by its ratio w_t = pi_old / pi_s, or by its completion's (in log space, within e^+-20 as verl does):
       "tis"      min(w_t, C): truncated importance sampling (Yao et al. 2025; TRL's token_truncate)
       "mis"      1 where 1/C <= w_t <= C, else 0: verl's token-level rejection (token_k1); IcePop and TRL's
                  token_mask keep w_t on the kept tokens instead of 1
       "seq-tis"  min(prod_t w_t, C) on every token of the completion (verl's rollout_is="sequence")
       "seq-mis"  1 where 1/C <= prod_t w_t <= C, else 0: the completion left out (verl's seq_sum_k1)
-      "geo-mis"  the same for exp(mean_t log w_t), which does not grow with the length (verl's seq_mean_k1)
-    Over the response tokens; the products in log space, exponentiated within e^+-20 as verl does."""
+      "geo-mis"  the same for exp(mean_t log w_t), which does not grow with the length (verl's seq_mean_k1)"""
     if correction == "none":
         return None
     log_ratio = ((old_logprobs - sampler_logprobs) * response_mask).detach()  # (B, L) log w_t, 0 after EOS
@@ -1313,10 +1289,8 @@ def rollout_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, 
 
 
 def reweighted(logprobs: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    """`logprobs` (B, L) with exactly the same values (lp + w * 0) and each token's gradient multiplied by its
-    weight (None: as they are). Every loss here reaches the policy's weights through the log-probs only, so
-    every term of a token's loss is weighted, whatever the loss, and the normaliser (tokens, sequences) stays
-    as it is."""
+    """`logprobs` (B, L) with the same values (lp + w * 0), each token's gradient times its weight (None: as they are).
+    Losses reach the weights through the log-probs only: every term is weighted, the normaliser stays as it is."""
     return logprobs if weights is None else logprobs.detach() + weights * (logprobs - logprobs.detach())
 
 
@@ -1381,9 +1355,8 @@ def timed(seconds: dict[str, float], name: str):
 
 
 class Logger:
-    """Each step's metrics, averaged over ranks (call it on every rank; only rank 0 writes): one line on stdout
-    with the ETA, every metric as a JSON line in `<run_dir>/metrics.jsonl` (NaN and inf as null, so every line
-    is valid JSON), TensorBoard when installed, Weights & Biases with `track`. Writes config.json too."""
+    """Each step's metrics averaged over ranks (call it on every rank; rank 0 writes): a line on stdout with the ETA,
+    a JSON line in <run_dir>/metrics.jsonl (NaN, inf: null), TensorBoard if installed, W&B with `track`; config.json."""
 
     SHOWN = ("reward/mean", "eval/accuracy", "eval/accuracy_greedy", "loss/policy", "policy/clipfrac", "perf/step_s")
 
@@ -1402,7 +1375,6 @@ class Logger:
         self.file = open(run_dir / "metrics.jsonl", "a")  # a resumed run appends (claim_run_dir cut it back)
         with contextlib.suppress(ImportError):
             from torch.utils.tensorboard import SummaryWriter
-
             self.tensorboard = SummaryWriter(str(run_dir))
 
     def log(self, step: int, metrics: dict[str, float | torch.Tensor]) -> None:
@@ -1442,18 +1414,16 @@ _held_locks = {}  # run folder -> its open lock file, held by this process until
 
 
 def prepare_run_dir(run_info: dict, rank: int) -> tuple[Path, Path | None]:
-    """(the run's folder, the checkpoint to resume from or None), the same on every rank; nothing is written
-    yet. run_info: {"algorithm": the file's name, "config": asdict(args)}. A run writes to
-    <output-dir>/<run-name>, except that `--resume <run>/step_N` without --run-name goes on in <run> when
-    step_N is its newest checkpoint; any other resume starts a new run folder."""
+    """(the run's folder, the checkpoint to resume from or None), the same on every rank; nothing is written yet.
+    run_info: {"algorithm": the file's name, "config": asdict(args)}. A run writes to <output-dir>/<run-name>, but
+    `--resume <run>/step_N` without --run-name goes on in <run> if step_N is its newest; other resumes start anew."""
     return _on_rank_0(_find_run_dir, rank, run_info)
 
 
 def claim_run_dir(run_dir: Path, checkpoint: Path | None, rank: int) -> None:
-    """Take run_dir before anything is written there: created and locked (flock, released by the OS when the
-    process ends, even killed), so a second run of that name stops here. Its metrics.jsonl: the lines of the
-    checkpoint's run before its step (none for a new run), what it held kept as metrics.jsonl.old. From here on
-    a Ctrl-C prints the command that goes on from the last checkpoint, not a traceback."""
+    """Take run_dir before anything is written there: created and locked (flock, freed by the OS when the process
+    ends, even killed): a second run of that name stops here. metrics.jsonl keeps the checkpoint's run's lines before
+    its step (none for a new run; the old file moved aside). From here a Ctrl-C prints how to go on, not a traceback."""
     _on_rank_0(_claim, rank, run_dir, checkpoint)
     sys.excepthook = functools.partial(_explain_interrupt, sys.excepthook, run_dir, rank)
 
@@ -1499,8 +1469,8 @@ def resume_hint(run_dir: Path) -> str:
     kept = [a for i, a in enumerate(argv)
             if a.split("=")[0] not in replaced and (i == 0 or argv[i - 1] not in replaced)]
     world_size, nodes = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("GROUP_WORLD_SIZE", 1))
-    launcher = ["torchrun", f"--nnodes={nodes}", f"--nproc_per_node={world_size // nodes}"] if world_size > 1 else \
-        ["python"]
+    launcher = ["torchrun", f"--nnodes={nodes}", f"--nproc_per_node={world_size // nodes}"] if world_size > 1 \
+        else ["python"]
     command = shlex.join([*launcher, sys.argv[0], *kept, "--output-dir", str(run_dir.parent), "--run-name",
                           run_dir.name, "--resume", "latest"])
     return f"Last checkpoint: {checkpoint}. Go on from it with: {command}" + \
@@ -1574,8 +1544,7 @@ def _move_aside(path: Path) -> Path:
 
 
 def _read_info(checkpoint: Path) -> dict:
-    """The checkpoint.json of a checkpoint folder: the algorithm file, step, number of ranks and flags that
-    wrote it ({} when there is none: not a checkpoint of this project)."""
+    """The checkpoint.json of a checkpoint folder ({} when there is none: not a checkpoint of this project)."""
     file = Path(checkpoint) / CHECKPOINT_INFO
     return json.loads(file.read_text()) if file.is_file() else {}
 
@@ -1592,8 +1561,7 @@ def _step_folders(run_dir: Path) -> list[Path]:
 
 
 def _check_same_run(checkpoint: Path, run_info: dict) -> None:
-    """Stop when the checkpoint was written by another algorithm file or number of ranks, or when it is past
-    --num-steps; print the other flags that changed."""
+    """Stop if another file or number of ranks wrote the checkpoint, or it is past --num-steps; print changed flags."""
     saved, config = _read_info(checkpoint), run_info["config"]
     if saved["algorithm"] != run_info["algorithm"]:
         raise UsageError(f"--resume {checkpoint}: written by {saved['algorithm']}, resumed by "
@@ -1618,14 +1586,12 @@ def _check_same_run(checkpoint: Path, run_info: dict) -> None:
 
 def save_checkpoint(path: Path, modules: dict[str, torch.nn.Module], tokenizer, rank: int, run_info: dict,
                     optimizer=None, step: int = 0, extra: dict | None = None, keep: int = 0) -> None:
-    """Write a checkpoint folder (call on every rank): the policy and tokenizer in `save_pretrained` format (FSDP:
-    gathered to rank 0's CPU memory; LoRA: the adapters in adapter/, and in final/ the merged model beside
-    them); checkpoint.json (the file, step, ranks and flags); with an optimizer the resumable state: every
-    module's trained weights and the optimizer state in training_state/, safetensors written by DCP (each rank
-    its own shards), and rank_<r>.safetensors (each rank's RNG states and algorithm state `extra`).
-    All is written into `<path>.tmp`, flushed to disk and renamed once every rank has written its part: a
-    crash never leaves a partial `path` (a failed write or a Ctrl-C removes the .tmp). A folder already at
-    `path` is moved aside, never deleted; with `keep` > 0 only the newest `keep` step checkpoints are kept."""
+    """Write a checkpoint folder (call on every rank): the policy and tokenizer as `save_pretrained` writes them (FSDP:
+    gathered to rank 0's CPU; LoRA: the adapters in adapter/, and in final/ the merged model too), checkpoint.json;
+    with an optimizer the resumable state: every module's trained weights and the optimizer state in training_state/
+    (DCP: each rank its shards), each rank's RNG states and algorithm state `extra` in rank_<r>.safetensors. Written
+    into `<path>.tmp`, synced and renamed once every rank is done: a crash never leaves a partial `path` (a failed
+    write or Ctrl-C removes the .tmp). A folder at `path` is moved aside; `keep` > 0 keeps the newest `keep` steps."""
     path, distributed = Path(path), dist.is_initialized()
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -1642,11 +1608,8 @@ def save_checkpoint(path: Path, modules: dict[str, torch.nn.Module], tokenizer, 
             weights = dcp_state.get_model_state_dict(policy, options=options)
         if rank == 0:
             hf_model = unwrap(policy)
-            if is_lora(policy):
-                hf_model.save_pretrained(tmp / "adapter", state_dict=weights)
-            if not is_lora(policy):
-                hf_model.save_pretrained(tmp, state_dict=weights)
-            elif optimizer is None:  # final/: the merged model, which loads without peft
+            hf_model.save_pretrained(tmp / "adapter" if is_lora(policy) else tmp, state_dict=weights)
+            if is_lora(policy) and optimizer is None:  # final/: the merged model too, which loads without peft
                 hf_model.get_base_model().save_pretrained(tmp, state_dict=dict(plain_weights(policy, weights)))
             tokenizer.save_pretrained(tmp)
             info = {"algorithm": run_info["algorithm"], "step": step, "resumable": optimizer is not None,
@@ -1687,18 +1650,15 @@ def _save_training_state(tmp: Path, modules: dict[str, torch.nn.Module], optimiz
         state = _training_state(modules, optimizer)
         # A weight and its optimizer state in a file of their own: safetensors builds a whole file in memory
         # before writing it, so a save needs twice the largest weight's state, not the rank's.
-        number = {name: i for i, name in enumerate(state["model"], 1)}  # each weight's file
-        for name in state["optimizer"]:
-            number.setdefault(name, len(number) + 1)
+        number = {name: i for i, name in enumerate(dict.fromkeys([*state["model"], *state["optimizer"]]), 1)}
         files = {f"model.{name}": number[name] for name in state["model"]}
         files |= {f"optimizer.{name}.{key}": number[name] for name, values in state["optimizer"].items()
                   for key in values}
         writer = dcp.HuggingFaceStorageWriter(str(tmp / TRAINING_STATE), files, save_distributed=dist.is_initialized())
         dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
-    cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    tensors, own = {}, {"rng": torch.get_rng_state(), "cuda_rng": cuda_rng, "python_rng": random.getstate(),
-                        "extra": extra or {}}
-    plain = json.dumps(_flatten(own, tensors, "own"))  # the tensors go into `tensors`, the rest stays
+    own = {"rng": torch.get_rng_state(), "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+           "python_rng": random.getstate(), "extra": extra or {}}
+    plain = json.dumps(_flatten(own, tensors := {}, "own"))  # the tensors go into `tensors`, the rest stays
     (tmp / f"rank_{rank}.safetensors").write_bytes(safetensors_bytes(tensors, {"state": plain}))
 
 
@@ -1751,11 +1711,10 @@ def _unflatten(value, tensors: dict):
 
 def load_checkpoint(path: Path | None, modules: dict[str, torch.nn.Module], optimizer, rank: int
                     ) -> tuple[int, dict]:
-    """Restore what `save_checkpoint` wrote, in place (each rank reads its own shards), and this rank's RNG
-    state: (the step to go on from, this rank's algorithm state); (0, {}) for `path` None, a new run. Nothing
-    is unpickled. The number of ranks must be the one that saved: DCP could reshard weights and optimizer,
-    but each rank's sampling stream and algorithm state (GVPO's replayed groups) have no counterpart on
-    another count, and a resumed run is the run that stopped, bitwise."""
+    """Restore what `save_checkpoint` wrote, in place (each rank its own shards), and this rank's RNG state: (the step
+    to go on from, this rank's algorithm state); (0, {}) for `path` None, a new run. Nothing is unpickled. The ranks
+    must be as many as saved: DCP could reshard weights and optimizer, but each rank's sampling stream and algorithm
+    state (GVPO's replayed groups) have no counterpart on another count; a resumed run is the one that stopped."""
     if path is None:
         return 0, {}
     model, state, device = torch.nn.ModuleDict(modules), _training_state(modules, optimizer), current_device()
