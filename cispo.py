@@ -164,8 +164,6 @@ class RolloutFlags:
     max_turns: Optional[int] = None
     """the policy's turns per episode, each answered by the environment (--env); an episode that has not ended
     after them is 'truncated'; left out: 7 for --task guess, else 1"""
-    max_turn_tokens: Optional[int] = None
-    """tokens the policy writes in one turn (left out: up to --max-new-tokens)"""
     temperature: float = 1.0
     """sampling temperature; log-probs divide the logits by it too"""
     vllm: bool = False

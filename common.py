@@ -14,6 +14,7 @@ algorithm's equations: advantages, ratios, clipping, KL and loss aggregation liv
 9. Checkpoints: `save_checkpoint`, `load_checkpoint` (torch.distributed.checkpoint, safetensors only)
 """
 
+import bisect
 import contextlib
 import dataclasses
 import datetime
@@ -59,6 +60,7 @@ DEFAULT_MODEL = str(HERE / "tiny_model")  # made by make_tiny_model.py
 # The built-in tasks (builtin_splits): the default --model and --max-new-tokens of each
 TASKS = {"add": (DEFAULT_MODEL, 8), "chain": (str(HERE / "tiny_model_chain"), 64),
          "guess": (str(HERE / "tiny_model_guess"), 192)}
+GUESS = f"{HERE / 'examples' / 'guess.py'}:Guess"  # --task guess's environment, loaded as an --env is
 # The KV cache's name in forward's arguments and outputs: `cache` from transformers 5.20, `past_key_values`
 # before (vLLM's CPU build, which the tests use, pins an older transformers than requirements.txt).
 CACHE = "cache" if "cache" in transformers.modeling_outputs.CausalLMOutputWithPast.__dataclass_fields__ else \
@@ -79,7 +81,6 @@ FLAG_RULES = [
     ("group_size", lambda v: v >= 1, ">= 1", ""),
     ("max_new_tokens", lambda v: v >= 1, ">= 1", "each completion has at least its EOS token"),
     ("max_turns", lambda v: v >= 1, ">= 1", "1: single-turn"),
-    ("max_turn_tokens", lambda v: v is None or v >= 1, ">= 1", "or left out: up to --max-new-tokens"),
     ("seed", lambda v: 0 <= v < 2**63, "in [0, 2**63)", "torch's seeds are 64-bit; each rank adds its rank"),
     ("temperature", lambda v: v >= 0.01, ">= 0.01", "the log-probs divide the logits by it, and below 0.01 float32 "
      "loses the precision a ratio needs; eval/accuracy_greedy reports greedy decoding"),
@@ -405,10 +406,9 @@ def model_positions(name: str) -> int | None:
 
 def builtin_splits(task: str = "add", eval_size: int = 500) -> tuple[list[dict], list[dict]]:
     """(train, held-out) examples of a built-in task, fixed by a seed; the first `eval_size` are held out.
-    add: `a+b` for 0 <= a, b <= 99, answered with the sum's digits; all 10,000 pairs.
-    chain: sums of 2-6 numbers (0-99), answered after '####'; 20,000 distinct prompts. `demo`: a worked
-    completion (`12+7=19 19+30=49 #### 49`), the warm-up data's and gvpo.py --demos-per-group's.
-    guess: a secret number from 0 to 99 (the answer), found by guessing over turns (`Guess`); 10,000 episodes."""
+    add: `a+b` for 0 <= a, b <= 99, answered with the sum's digits; all 10,000 pairs. chain: sums of 2-6 numbers
+    (0-99), answered after '####'; 20,000 distinct prompts; `demo`: a worked completion (`12+7=19 19+30=49 #### 49`),
+    the warm-up data's and gvpo.py --demos-per-group's. guess: 10,000 secrets of the game of `GUESS`."""
     if task == "guess":
         rng = random.Random(1234)
         examples = [{"prompt": "guess a number from 0 to 99", "answer": str(rng.randrange(100))} for _ in range(10_000)]
@@ -529,25 +529,23 @@ def load_data(dataset: str | None, eval_dataset: str | None, eval_size: int, dat
 
 
 def load_task(args) -> tuple:
-    """(tokenizer, train, held_out, exact, reward_fn, env), checked before any model loads, so that bad input fails
-    fast: `load_data`'s examples whose prompts fit the model (`fit_prompts`); `exact`: a built-in task's
-    answers are compared as strings (`correctness_reward`); the --reward-fn function, tried on two examples,
-    or None; the episodes' environment (`MultiTurn`: --env, tried on two examples, or --task guess's) or None."""
+    """(tokenizer, train, held_out, exact, reward_fn, env), checked before any model loads: `load_data`'s examples
+    whose prompts fit the model (`fit_prompts`); `exact`: a built-in task's answers are compared as strings; the
+    --reward-fn function, tried on two examples; the environment (`MultiTurn`: --env's or --task guess's)."""
     train, held_out = load_data(args.dataset, args.eval_dataset, args.eval_size, args.dataset_config, args.split,
                                 args.eval_split, args.task or "add", prompt_field=args.prompt_field,
                                 answer_field=args.answer_field)
     reward_fn = load_reward_fn(args.reward_fn, train[:2]) if args.reward_fn else None
-    env = MultiTurn(load_env(args.env, train[:2]) if args.env else Guess, args.env or "guess", args.max_turns,
-                    args.max_turn_tokens, args.chat_template) if args.env or args.task == "guess" else None
+    spec = args.env or (GUESS if args.task == "guess" else None)
+    env = MultiTurn(load_object(spec, "--env", "class"), spec, args.max_turns, args.chat_template) if spec else None
     tokenizer = load_tokenizer(args.model)
     return tokenizer, *fit_prompts(train, held_out, tokenizer, args), args.dataset is None, reward_fn, env
 
 
 def fit_prompts(train: list[dict], held_out: list[dict], tokenizer, args) -> tuple[list[dict], list[dict]]:
-    """The examples whose prompt, formatted as it will be sampled from, is not empty, has at most
-    --max-prompt-length tokens and leaves room for --max-new-tokens in the model's positions (a longer one
-    would crash the step that draws it, or train positions past the trained range); the others are dropped
-    with a count; a set left empty stops the run."""
+    """The examples whose prompt, formatted as it will be sampled from, is not empty, has at most --max-prompt-length
+    tokens and leaves room for --max-new-tokens in the model's positions (a longer one would crash the step that
+    draws it, or train positions past the trained range); the others are dropped with a count."""
     positions = model_positions(args.model)
     limit = min(args.max_prompt_length or math.inf, positions - args.max_new_tokens if positions else math.inf)
     if limit < 1:
@@ -675,18 +673,6 @@ def format_reward(completions: list[str], exact: bool) -> torch.Tensor:
                          "\\boxed{" in c or "####" in c for c in completions], dtype=torch.float32)
 
 
-class Guess:
-    """--task guess's environment (`MultiTurn`): a secret number from 0 to 99, the row's answer. The policy guesses;
-    the episode ends with reward 1 when it is right, else the answer is 'higher' or 'lower' (bisection needs 7)."""
-
-    def __init__(self, row: dict):
-        self.secret = int(row["answer"])
-
-    def step(self, action: str) -> tuple[str | None, float, bool]:  # (observation, reward, done)
-        guess = int(action) if action.strip().isdigit() else -1  # not a number: 'higher'
-        return (None, 1.0, True) if guess == self.secret else ("higher" if self.secret > guess else "lower", 0.0, False)
-
-
 def load_reward_fn(spec: str, examples: list[dict] = ()):
     """`module:function` (imported from the working directory) or `path/to/file.py:function`, called as
     `fn(prompts, completions, answers)` -> one float per completion; tried at once on `examples`."""
@@ -695,15 +681,6 @@ def load_reward_fn(spec: str, examples: list[dict] = ()):
         answers = [e["answer"] for e in examples]
         call_reward_fn(fn, spec, [e["prompt"] for e in examples], answers, answers)
     return fn
-
-
-def load_env(spec: str, examples: list[dict]) -> type:
-    """The environment class of --env ('module:Class' or 'file.py:Class'; `MultiTurn`), made at once from `examples`."""
-    env_class = load_object(spec, "--env", "class")
-    for row in examples:
-        env = env_call(spec, "__init__", env_class, row)
-        env_call(spec, "reset", getattr(env, "reset", lambda: None))
-    return env_class
 
 
 def load_object(spec: str, flag: str, kind: str):
@@ -799,15 +776,12 @@ def evaluate(model, tokenizer, examples: list[dict], chat_template: bool, exact:
 @dataclass
 class Rollout:
     """G completions per prompt, stored contiguously (group j is rows j*G .. j*G+G-1).
-
     input_ids, attention_mask: (B, P+L) the left-padded prompt, then the response, padded after EOS
     response_mask: (B, L) 1 on response tokens up to and including EOS; prompt_length: P
     texts: the B decoded responses; truncated: (B,) True where a response hit --max-new-tokens without EOS
     sampler_logprobs: (B, L) each token's log-prob under the distribution the sampler drew it from (0 greedy)
-    With an environment (`MultiTurn`) a response is the episode: the policy's turns (response_mask 1) and the
-    environment's observations (response_mask 0, attention 1, sampler log-prob 0); env_return: (B,) the sum of
-    its rewards; turns: (B,) the policy's turns; truncated: cut by --max-new-tokens or --max-turns.
-    """
+    With an environment (`MultiTurn`) a response is an episode: the policy's turns (response_mask 1), the
+    environment's observations (response_mask 0, sampler log-prob 0); env_return, turns: (B,)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -849,23 +823,17 @@ def given_rollout(tokenizer, prompts: list[str], completions: list[str], max_new
     """A rollout of given completions (one per prompt text, formatted), as `generate` would return it had it
     sampled them: each with the EOS token after it, cut at `max_new_tokens` (then truncated). Nothing sampled
     them: their sampler log-probs are 0."""
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     ids = [x[:max_new_tokens] for x in tokenizer([c + tokenizer.eos_token for c in completions],
                                                   add_special_tokens=False).input_ids]
-    response = torch.nn.utils.rnn.pad_sequence([torch.tensor(x) for x in ids], True, tokenizer.pad_token_id)
-    response_mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(x)) for x in ids], True)  # (B, L)
-    truncated = torch.tensor([x[-1] != tokenizer.eos_token_id for x in ids])
-    return Rollout(torch.cat([enc.input_ids, response], 1).to(device),
-                   torch.cat([enc.attention_mask, response_mask.long()], 1).to(device), response_mask.to(device),
-                   enc.input_ids.shape[1], tokenizer.batch_decode(ids, skip_special_tokens=True), truncated.to(device),
-                   torch.zeros(response.shape, device=device))
+    return pack(tokenizer, tokenizer(prompts, add_special_tokens=False).input_ids, ids, [[1] * len(x) for x in ids],
+                [[0.0] * len(x) for x in ids], tokenizer.batch_decode(ids, skip_special_tokens=True),
+                [x[-1] != tokenizer.eos_token_id for x in ids], device=device)
 
 
 class Sampler(LogitsProcessor):
-    """Sampling's only logits processor, in transformers' greedy loop: it draws each row's token from
-    softmax(logits / T), keeps its log-prob under that distribution, and returns scores that are 0 at the
-    drawn token and -inf elsewhere, which the greedy step then takes. So the recorded log-prob is that of
-    the distribution the token was drawn from, whatever else transformers does around the processor."""
+    """Sampling's only logits processor, in transformers' greedy loop: it draws each row's token from softmax(logits
+    / T), keeps its log-prob, and returns scores 0 at the drawn token and -inf elsewhere, which the greedy step
+    takes: the log-prob recorded is the drawn distribution's, whatever else transformers does around it."""
 
     def __init__(self, temperature: float):
         self.temperature, self.logprobs = temperature, []
@@ -881,16 +849,27 @@ class Sampler(LogitsProcessor):
 def generate(model, tokenizer, prompts: list[str] | list[list[int]], group_size: int, max_new_tokens: int,
              temperature: float, greedy: bool = False, vllm: "VllmEngine | None" = None, env: "MultiTurn | None" = None,
              rows: list[dict] | None = None) -> Rollout:
-    """`group_size` completions of each prompt (text, formatted, or token ids), by `model.generate` or by `vllm`'s
-    engine; with `env`, episodes of the dataset `rows` instead (`run_episodes`). Sampling is plain softmax(logits
-    / T), the distribution every loss here assumes (greedy: argmax): the generation config is built here, with
-    only the EOS, pad and BOS ids of the checkpoint's, which is swapped out for the call (else transformers would
-    merge its top_k, repetition_penalty, ... into sampling)."""
+    """`group_size` completions of each prompt (text, formatted, or token ids), sampled by `sample_hf` or `vllm`'s
+    engine from plain softmax(logits / T), the distribution every loss here assumes (greedy: argmax); with `env`,
+    episodes of the dataset `rows` instead (`run_episodes`)."""
     if env is not None:
         return run_episodes(model, tokenizer, rows, group_size, max_new_tokens, temperature, greedy, vllm, env)
     ids = tokenizer(prompts, add_special_tokens=False).input_ids if isinstance(prompts[0], str) else prompts
-    if vllm is not None:
-        return vllm.generate(model, tokenizer, ids, group_size, max_new_tokens, temperature, greedy)
+    sample = vllm.generate if vllm is not None else sample_hf  # the responses (EOS in) and their log-probs
+    responses, logprobs = sample(model, tokenizer, ids, group_size, max_new_tokens, temperature, greedy)
+    eos_ids = stop_ids(model, tokenizer)
+    truncated = [response[-1] not in eos_ids for response in responses]
+    texts = tokenizer.batch_decode([response[: len(response) - (not cut)] for response, cut in
+                                    zip(responses, truncated)], skip_special_tokens=True)
+    return pack(tokenizer, [x for x in ids for _ in range(group_size)], responses, [[1] * len(r) for r in responses],
+                logprobs, texts, truncated)
+
+
+def sample_hf(model, tokenizer, ids: list[list[int]], group_size: int, max_new_tokens: int, temperature: float,
+              greedy: bool) -> tuple[list[list[int]], list[list[float]]]:
+    """`model.generate`'s `group_size` responses of each prompt (up to EOS, included) and their sampler log-probs.
+    The generation config is built here, with only the EOS, pad and BOS ids of the checkpoint's, and swapped in for
+    the call (else transformers would merge its top_k, repetition_penalty, ... into sampling)."""
     enc = tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(model.device)
     prompt_ids, prompt_mask = (x.repeat_interleave(group_size, dim=0) for x in (enc.input_ids, enc.attention_mask))
     eos_ids = stop_ids(model, tokenizer)
@@ -907,17 +886,10 @@ def generate(model, tokenizer, prompts: list[str] | list[list[int]], group_size:
                              logits_processor=None if greedy else [sampler], synced_gpus=synced, **{CACHE: cache})
     finally:
         model.generation_config = checkpoint_config
-    P, response = prompt_ids.shape[1], out[:, prompt_ids.shape[1]:]  # (B, L), padded after EOS
-    is_eos = torch.isin(response, torch.tensor(eos_ids, device=response.device))
-    first_eos = torch.where(is_eos.any(-1), is_eos.int().argmax(-1), response.shape[1])  # (B,)
-    response_mask = torch.arange(response.shape[1], device=response.device)[None] <= first_eos[:, None]  # EOS in
-    response = response.masked_fill(~response_mask, tokenizer.pad_token_id)
-    texts = tokenizer.batch_decode([r[:n] for r, n in zip(response.tolist(), first_eos.tolist())],
-                                   skip_special_tokens=True)
-    sampler_logprobs = torch.zeros(response.shape, device=response.device) if greedy else \
-        torch.stack(sampler.logprobs, 1)[:, : response.shape[1]].masked_fill(~response_mask, 0.0)
-    return Rollout(torch.cat([prompt_ids, response], 1), torch.cat([prompt_mask, response_mask.long()], 1),
-                   response_mask.float(), P, texts, ~is_eos.any(-1), sampler_logprobs)
+    responses = out[:, prompt_ids.shape[1]:].tolist()  # (B, L), padded after EOS
+    lengths = [next((t + 1 for t, token in enumerate(r) if token in eos_ids), len(r)) for r in responses]  # EOS in
+    logprobs = [[0.0] * len(r) for r in responses] if greedy else torch.stack(sampler.logprobs, 1).tolist()
+    return [r[:n] for r, n in zip(responses, lengths)], [lp[:n] for lp, n in zip(logprobs, lengths)]
 
 
 def stop_ids(model, tokenizer) -> list[int]:
@@ -928,27 +900,23 @@ def stop_ids(model, tokenizer) -> list[int]:
 
 @dataclass
 class MultiTurn:
-    """Episodes with an environment (--env; --task guess's is `Guess`, an example of the interface): one instance
-    per episode, made from its dataset row; optional `stop` (strings that end a turn before EOS, e.g. a tool call's
-    '</calc>') and `reset() -> str | None` (the first message; None: the row's prompt); `step(action: str) ->
-    (observation, reward, done)` after each turn, the observation a user message's text or a message dict (e.g.
-    {"role": "tool", ...}). The return is the sum of the rewards. docs/environments.md has the rest."""
+    """Episodes with an environment (--env, or `GUESS`), one instance per episode made from its dataset row: an
+    optional `stop` (strings that end a turn before EOS: a tool call's '</calc>'), an optional `reset()` (the first
+    message; None: the row's prompt) and `step(action) -> (observation, reward, done)` (docs/environments.md)."""
 
     env_class: type
     spec: str  # --env, for messages
     max_turns: int
-    turn_tokens: int | None = None  # the most tokens of one turn (None: up to --max-new-tokens)
     chat_template: bool = True
 
 
 def run_episodes(model, tokenizer, rows: list[dict], group_size: int, max_new_tokens: int, temperature: float,
                  greedy: bool, vllm: "VllmEngine | None", env: MultiTurn) -> Rollout:
-    """`group_size` episodes of each row. Each turn the episodes still going sample as one batch (`generate`, on
-    their tokens so far), each turn's text goes to its environment's `step`, and the observation is appended as
-    tokens (`observation_ids`): the sampled tokens are never decoded and encoded again. An episode ends when its
-    environment says so, or is cut (truncated) after --max-turns turns or --max-new-tokens tokens after its prompt
-    (the policy's and the observations'). Every rank runs as many turns (one whose episodes have all ended samples
-    a dummy turn), so that FSDP's and vLLM's collective forwards stay in step."""
+    """`group_size` episodes of each row. Each turn the episodes still going sample as one batch, each turn's text
+    goes to its environment's `step`, and the observation is appended as tokens: the sampled tokens are never
+    decoded and encoded again. An episode ends when its environment says so, or is cut (truncated) after
+    --max-turns turns or --max-new-tokens tokens after its prompt (the policy's and the observations'). Every rank
+    runs as many turns (with a dummy one when its episodes have ended): FSDP's and vLLM's forwards are collective."""
     rows = [row for row in rows for _ in range(group_size)]
     envs = [env_call(env.spec, "__init__", env.env_class, row) for row in rows]
     messages = [[{"role": "user", "content": env_call(env.spec, "reset", getattr(e, "reset", lambda: None))
@@ -964,16 +932,16 @@ def run_episodes(model, tokenizer, rows: list[dict], group_size: int, max_new_to
             break
         room = [max_new_tokens - len(responses[i]) for i in going]  # each episode's tokens left
         out = generate(model, tokenizer, [prompts[i] + responses[i] for i in going] or prompts[:1], 1,
-                       min(max(room, default=1), env.turn_tokens or max_new_tokens), temperature, greedy, vllm)
+                       max(room, default=1), temperature, greedy, vllm)
         for k, i in enumerate(going):
             sampled = out.response_mask[k].bool()
-            ids = out.input_ids[k, out.prompt_length:][sampled].tolist()[: room[k]]
-            ids, at_stop = cut_at_stop(tokenizer, ids, stop)
+            ids, at_stop = cut_at_stop(tokenizer, out.input_ids[k, out.prompt_length:][sampled].tolist()[: room[k]],
+                                       stop)
             responses[i], masks[i], turns[i] = responses[i] + ids, masks[i] + [1] * len(ids), turn + 1
-            logprobs[i] += out.sampler_logprobs[k][sampled].tolist()[:len(ids)]
+            logprobs[i] += out.sampler_logprobs[k][sampled].tolist()[: len(ids)]
             at_eos = ids[-1] in eos_ids
-            if not (at_eos or at_stop):  # cut within the turn by --max-new-tokens or --max-turn-tokens
-                ended[i] = cut[i] = True
+            ended[i] = cut[i] = not (at_eos or at_stop)  # cut by --max-new-tokens within the turn: no action
+            if ended[i]:
                 continue
             action = tokenizer.decode(ids[:-1] if at_eos else ids, skip_special_tokens=True)
             result = env_call(env.spec, "step", envs[i].step, action)
@@ -981,18 +949,19 @@ def run_episodes(model, tokenizer, rows: list[dict], group_size: int, max_new_to
                     and math.isfinite(result[1]) and (result[2] or isinstance(result[0], (str, dict)))):
                 raise UsageError(f"--env {env.spec}: step must return (observation: text or a message dict, reward: a "
                                  f"finite number, done), got {repr(result)[:200]}.")
-            observation, reward, ended[i] = result
+            observation, reward, done = result
             returns[i] += float(reward)
-            if ended[i] or turn == env.max_turns - 1:
-                ended[i], cut[i] = True, not ended[i]  # not ended by the environment: cut by --max-turns
+            last = turn == env.max_turns - 1
+            ended[i], cut[i] = done or last, not done and last  # not ended by the environment: cut by --max-turns
+            if ended[i]:
                 continue
-            message = observation if isinstance(observation, dict) else {"role": "user", "content": observation}
-            messages[i].append({"role": "assistant", "content": action})
-            obs = observation_ids(tokenizer, messages[i], message, ids[-1] if at_eos else None, env.chat_template)
-            messages[i].append(message)
+            messages[i] += [{"role": "assistant", "content": action},
+                            observation if isinstance(observation, dict) else {"role": "user", "content": observation}]
+            obs = observation_ids(tokenizer, messages[i], ids[-1] if at_eos else None, env.chat_template)
             ended[i] = cut[i] = len(responses[i]) + len(obs) >= max_new_tokens  # no room left for a turn
-            responses[i], masks[i] = responses[i] + obs * (not cut[i]), masks[i] + [0] * len(obs) * (not cut[i])
-            logprobs[i] += [0.0] * len(obs) * (not cut[i])
+            if not ended[i]:
+                responses[i], masks[i], logprobs[i] = responses[i] + obs, masks[i] + [0] * len(obs), \
+                    logprobs[i] + [0.0] * len(obs)
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
     return pack(tokenizer, prompts, responses, masks, logprobs, texts, cut, env_return=returns, turns=turns)
 
@@ -1006,31 +975,25 @@ def env_call(spec: str, what: str, fn, *args):
 
 
 def cut_at_stop(tokenizer, ids: list[int], stop: list[str]) -> tuple[list[int], bool]:
-    """`ids` up to the first token whose text completes one of the `stop` strings, and whether one did (else all of
-    them). Prefixes of the sampled tokens are decoded; no text is encoded again."""
+    """`ids` up to the first token that completes a `stop` string, and whether one did (by decoding prefixes)."""
     if not any(s in tokenizer.decode(ids) for s in stop):
         return ids, False
-    low, high = 1, len(ids)  # the shortest prefix that holds a stop string
-    while low < high:
-        mid = (low + high) // 2
-        low, high = (low, mid) if any(s in tokenizer.decode(ids[:mid]) for s in stop) else (mid + 1, high)
-    return ids[:low], True
+    n = bisect.bisect_left(range(len(ids)), True, key=lambda n: any(s in tokenizer.decode(ids[: n + 1]) for s in stop))
+    return ids[: n + 1], True
 
 
-def observation_ids(tokenizer, messages: list[dict], message: dict, eos_id: int | None, chat_template: bool
-                    ) -> list[int]:
-    """The tokens of the environment's `message` after the policy's turn (messages[-1]). Without a chat template,
-    its text; with one, what the template adds for it: its rendering of messages + message + the next assistant
-    header less its rendering of messages, from where that closes the policy's turn (after the EOS it sampled,
-    `eos_id`; at the template's EOS after a stop string). This holds only for a template that renders earlier
-    turns alike once a message is added; another (one that strips earlier thinking) stops the run."""
+def observation_ids(tokenizer, messages: list[dict], eos_id: int | None, chat_template: bool) -> list[int]:
+    """The tokens of the environment's message (messages[-1]) after the policy's turn (messages[-2]): its text, or
+    with a chat template the rendering of all the messages and the next assistant header less that of those
+    before, from where that one closes the policy's turn (after the EOS it sampled, `eos_id`; at the template's EOS
+    after a stop string). So only for a template that renders earlier turns alike once a message is added."""
     if not (chat_template and tokenizer.chat_template):
-        return tokenizer(message["content"], add_special_tokens=False).input_ids
-    before = tokenizer.apply_chat_template(messages, tokenize=False)
-    after = tokenizer.apply_chat_template(messages + [message], add_generation_prompt=True, tokenize=False)
+        return tokenizer(messages[-1]["content"], add_special_tokens=False).input_ids
+    before = tokenizer.apply_chat_template(messages[:-1], tokenize=False)
+    after = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     close = tokenizer.decode([eos_id]) if eos_id is not None else tokenizer.eos_token
     end = before.rfind(close)
-    if end < 0 or not after.startswith(before) or not before[:end].endswith(messages[-1]["content"]):
+    if end < 0 or not after.startswith(before) or not before[:end].endswith(messages[-2]["content"]):
         raise UsageError("--chat-template: the tokenizer's chat template renders the turns so far differently once "
                          "a message is added (e.g. it strips earlier thinking), so an observation cannot be appended "
                          "to the sampled tokens. Use a template that keeps earlier turns, or --no-chat-template.")
@@ -1038,9 +1001,11 @@ def observation_ids(tokenizer, messages: list[dict], message: dict, eos_id: int 
 
 
 def pack(tokenizer, prompts: list[list[int]], responses: list[list[int]], masks: list[list[int]],
-         logprobs: list[list[float]], texts: list[str], truncated: list[bool], **episodes) -> Rollout:
-    """A Rollout of token lists, prompts left-padded and responses right-padded; `episodes`: env_return, turns."""
-    P, L, device = max(map(len, prompts)), max(map(len, responses)), current_device()
+         logprobs: list[list[float]], texts: list[str], truncated: list[bool], device: torch.device | None = None,
+         **episodes) -> Rollout:
+    """A Rollout of token lists, prompts left-padded and responses right-padded, on `device` (None: this rank's);
+    `episodes`: env_return and turns."""
+    P, L, device = max(map(len, prompts)), max(map(len, responses)), device or current_device()
     input_ids = torch.full((len(prompts), P + L), tokenizer.pad_token_id)
     attention_mask, response_mask, sampler_logprobs = torch.zeros_like(input_ids), *torch.zeros(2, len(prompts), L)
     for i, (ids, response) in enumerate(zip(prompts, responses)):
@@ -1054,14 +1019,12 @@ def pack(tokenizer, prompts: list[list[int]], responses: list[list[int]], masks:
 
 
 class VllmEngine:
-    """A vLLM engine on this rank's device, in this process, that samples for `generate` (--vllm): paged
-    attention and continuous batching, for long completions on a GPU. It starts with dummy weights and gets
-    the policy's at a call when `optimizer` has stepped since it last got them (`policy/sampler_logprob_gap`
-    says how close it samples to the trainer). Sampling is plain softmax(logits / T), as in `generate`, with
-    each token's log-prob under it. Its random stream is its own (seeded per rank), not in checkpoints: a
-    resumed run samples other completions than the run that stopped. On a GPU it sleeps between calls,
-    freeing its KV cache for the update, and its weights too unless `keep_weights` (freed, they are pushed
-    again at every call)."""
+    """A vLLM engine on this rank's device, in this process, that samples for `generate` (--vllm): paged attention
+    and continuous batching, for long completions on a GPU. It starts with dummy weights and gets the policy's at a
+    call when `optimizer` has stepped since it last got them. Sampling is plain softmax(logits / T), as in
+    `sample_hf`. Its random stream is its own (seeded per rank), not in checkpoints: a resumed run samples other
+    completions. On a GPU it sleeps between calls, freeing its KV cache for the update, and its weights too unless
+    `keep_weights` (then pushed again at every call)."""
 
     def __init__(self, name: str, dtype: str, seed: int, optimizer: torch.optim.Optimizer,
                  gpu_memory_utilization: float = 0.3, keep_weights: bool = True):
@@ -1108,7 +1071,8 @@ class VllmEngine:
 
     @torch.no_grad()
     def generate(self, model, tokenizer, prompt_ids: list[list[int]], group_size: int, max_new_tokens: int,
-                 temperature: float, greedy: bool = False) -> Rollout:
+                 temperature: float, greedy: bool = False) -> tuple[list[list[int]], list[list[float]]]:
+        """`group_size` responses of each prompt (up to EOS, included) and their sampler log-probs, as `sample_hf`."""
         if self.gpu and not self.keep_weights:  # memory for the weights first, then the weights
             self.llm.wake_up(tags=["weights"])
         if self.stale:
@@ -1120,14 +1084,9 @@ class VllmEngine:
                                           max_tokens=max_new_tokens, stop_token_ids=eos_ids, detokenize=False)
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
         self.sleep()
-        prompts = [ids for ids, request in zip(prompt_ids, outputs) for _ in request.outputs]
-        responses = [list(out.token_ids) for request in outputs for out in request.outputs]
-        logprobs = [[lp[t].logprob * (not greedy) for t, lp in zip(out.token_ids, out.logprobs)]
-                    for request in outputs for out in request.outputs]
-        truncated = [response[-1] not in eos_ids for response in responses]
-        texts = tokenizer.batch_decode([response[:len(response) - (not cut)] for response, cut in
-                                        zip(responses, truncated)], skip_special_tokens=True)
-        return pack(tokenizer, prompts, responses, [[1] * len(r) for r in responses], logprobs, texts, truncated)
+        outputs = [out for request in outputs for out in request.outputs]  # group_size of each prompt, in order
+        return [list(out.token_ids) for out in outputs], \
+            [[lp[t].logprob * (not greedy) for t, lp in zip(out.token_ids, out.logprobs)] for out in outputs]
 
 
 def shared_prompt_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int):

@@ -1,27 +1,25 @@
-"""Learning curves of every algorithm file on a built-in task, several seeds each, side by side:
-one CSV, a PNG of the curves (mean and min-max over seeds) and a table of how fast each file
-reaches a target held-out accuracy; on the chain task also the table of the lab (docs/lab.md).
+"""Learning curves of every algorithm file on a built-in task, several seeds each, side by side: one CSV, a PNG of
+the curves (mean and min-max over seeds), a table of how fast each file reaches a target held-out accuracy, and on
+the chain and guess tasks the table of the lab's rollout metrics (docs/lab.md).
 
     python -m benchmarks.learning_curves                        # from the repo root: 8 files x seeds 1 2 3 x 200 steps
     python -m benchmarks.learning_curves --task chain           # the lab: 8 files and 4 variants x 3 seeds x 60 steps
+    python -m benchmarks.learning_curves --task guess --eval-every 4   # multi-turn: 8 files x 3 seeds x 12 steps
     python -m benchmarks.learning_curves --configs grpo "gvpo --reuse-steps 1" --seeds 1 2
     python -m benchmarks.learning_curves --from-csv             # table and plot of --out only, no training
 
 Every run is `python <file>.py --seed S --num-steps N --eval-every E` with the files' shared defaults
-(32 prompts x 8 completions per step, 2 updates per rollout, learning rate 2e-4; on the chain task
-`--task chain --prompts-per-step 16`): the same rollout budget per step for every file, except that
-DAPO's dynamic sampling draws extra rounds of prompts to replace the groups it drops, which the
-`completions` column counts (gvpo's `--demos-per-group` k: G - k sampled per group).
+(32 prompts x 8 completions per step, 2 updates per rollout, learning rate 2e-4) and the task's flags
+(`TASKS`): the same rollout budget per step for every file, except that DAPO's dynamic sampling draws
+extra rounds of prompts to replace the groups it drops, which the `completions` column counts.
 
-CSV columns, one row per (config, seed, step): `step` = training steps done; `wall_s` = their
-training time (the sum of `perf/step_s` without evaluation); `completions` = completions sampled
-by them; `eval_accuracy`, `eval_accuracy_greedy` = held-out accuracy of the policy after `step`
-steps (500 prompts, one sample at T=1 / greedy; empty between evaluations); `reward_mean`,
-`response_length` and the rest (see `ROLLOUT`: the metrics of docs/metrics.md) = of the rollout
-sampled at that step (empty at the last row, and where the file logs no such key). Each finished run
-is appended at once, and runs already in the CSV are skipped, so an interrupted benchmark goes on
-where it stopped. Plotting needs matplotlib (`pip install -r benchmarks/requirements.txt`);
-without it the CSV and the table are still written.
+CSV columns, one row per (config, seed, step): `step` = training steps done; `wall_s` = their training
+time (the sum of `perf/step_s` without evaluation); `completions` = completions sampled by them;
+`eval_accuracy`, `eval_accuracy_greedy` = held-out accuracy after `step` steps (one sample at T=1 /
+greedy; empty between evaluations); `reward_mean` and the rest (`ROLLOUT`: docs/metrics.md) = of the
+rollout sampled at that step (empty at the last row, and where the file logs no such key). Each
+finished run is appended at once, and runs already in the CSV are skipped, so an interrupted benchmark
+goes on where it stopped. Plotting needs matplotlib (`pip install -r benchmarks/requirements.txt`).
 """
 
 import csv
@@ -45,12 +43,13 @@ CONFIGS = ["grpo", "dapo", "cispo", "gvpo", "ppo", "drgrpo", "gspo", "rloo"]
 LAB_CONFIGS = ["dapo --clip-eps-high 0.2", "dapo --overlong-buffer 0", "gvpo --reuse-steps 1 --updates-per-rollout 1",
                "gvpo --demos-per-group 2"]
 # steps, target held-out accuracy, flags (the chain task starts at ~0.27: 0.4 is ~5 evaluation standard errors above)
-TASKS = {"add": (200, 0.7, []), "chain": (60, 0.4, ["--task", "chain", "--prompts-per-step", "16"])}
+TASKS = {"add": (200, 0.7, []), "chain": (60, 0.4, ["--task", "chain", "--prompts-per-step", "16"]),
+         "guess": (12, 0.5, ["--task", "guess", "--prompts-per-step", "8", "--eval-size", "100"])}
 ROLLOUT = {"reward_mean": "reward/mean", "response_length": "response/length_mean",  # column: metric of the rollout
            "length_correct": "response/length_correct", "length_wrong": "response/length_wrong",
            "truncated_frac": "response/truncated_frac", "entropy": "policy/entropy",
            "clipfrac_low": "policy/clipfrac_low", "clipfrac_high": "policy/clipfrac_high",
-           "self_correction_frac": "task/self_correction_frac",
+           "self_correction_frac": "task/self_correction_frac", "turns": "env/turns",
            "self_correction_accuracy": "task/self_correction_accuracy", "kept_groups_frac": "algo/kept_groups_frac",
            "explained_variance": "algo/explained_variance", "step_s": "perf/step_s"}
 COLUMNS = ["config", "seed", "step", "wall_s", "completions", "eval_accuracy", "eval_accuracy_greedy", *ROLLOUT]
@@ -155,8 +154,9 @@ def format_table(table: list[dict], target: float) -> str:
 
 PANELS = [("step", "eval_accuracy", "held-out accuracy (sampled, T=1)"), ("step", "eval_accuracy_greedy",
           "held-out accuracy (greedy)"), ("completions", "eval_accuracy", "held-out accuracy (sampled, T=1)")]
-LAB = ["entropy", "length_correct", "length_wrong", "truncated_frac", "clipfrac_low", "clipfrac_high",
-       "self_correction_frac", "self_correction_accuracy", "kept_groups_frac", "explained_variance", "step_s"]
+LAB = {"chain": ["entropy", "length_correct", "length_wrong", "truncated_frac", "clipfrac_low", "clipfrac_high",
+                 "self_correction_frac", "self_correction_accuracy", "kept_groups_frac", "explained_variance",
+                 "step_s"], "guess": ["turns", "truncated_frac", "response_length", "entropy", "step_s"]}
 
 
 def plot(rows: list[dict], path: Path, title: str, panels: list[tuple[str, str, str]]) -> bool:
@@ -201,16 +201,16 @@ def plot(rows: list[dict], path: Path, title: str, panels: list[tuple[str, str, 
     return True
 
 
-def lab_table(rows: list[dict], window: int = 10) -> str:
-    """Per config, each rollout metric of `LAB`: its mean over the first and over the last `window` steps of
-    each seed, as 'first -> last', each the mean over seeds [min, max]."""
+def lab_table(rows: list[dict], keys: list[str], window: int = 10) -> str:
+    """Per config, each rollout metric of `keys`: its mean over the first and the last `window` steps of each seed,
+    as 'first -> last', each the mean over seeds [min, max]."""
     def spread(values: list[float]) -> str:
         return f"{statistics.mean(values):.3g} [{min(values):.3g}, {max(values):.3g}]"
 
-    lines = [f"| config | {' | '.join(LAB)} |", "|---" * (len(LAB) + 1) + "|"]
+    lines = [f"| config | {' | '.join(keys)} |", "|---" * (len(keys) + 1) + "|"]
     for config, seeds in curves(rows, "step").items():
         cells = []
-        for key in LAB:
+        for key in keys:
             values = [[row[key] for row in run if row.get(key) is not None] for run in seeds.values()]
             cells.append("-" if not all(values) else
                          f"{spread([statistics.mean(v[:window]) for v in values])} → "
@@ -221,20 +221,20 @@ def lab_table(rows: list[dict], window: int = 10) -> str:
 
 @dataclass
 class Args:
-    task: Literal["add", "chain"] = "add"
-    """the built-in task: add (the offline default) or chain (the lab, docs/lab.md)"""
+    task: Literal["add", "chain", "guess"] = "add"
+    """the built-in task: add (the offline default), chain (the lab, docs/lab.md) or guess (multi-turn)"""
     configs: Optional[tuple[str, ...]] = None
     """algorithm files, each optionally with its own flags, e.g. grpo "gvpo --reuse-steps 1"; left out: the 8
     files (and on the chain task the lab's variants, LAB_CONFIGS)"""
     seeds: tuple[int, ...] = (1, 2, 3)
     steps: Optional[int] = None
-    """training steps of each run; left out: 200 for add, 60 for chain"""
+    """training steps of each run; left out: 200 for add, 60 for chain, 12 for guess"""
     eval_every: int = 20
     target: Optional[float] = None
-    """held-out sampled accuracy for the table; left out: 0.7 for add, 0.4 for chain"""
+    """held-out sampled accuracy for the table; left out: 0.7 for add, 0.4 for chain, 0.5 for guess"""
     out: Optional[Path] = None
     """the CSV (one --steps budget per file); the PNG is written next to it; left out:
-    benchmarks/results/learning_curves.csv (add), learning_curves_chain.csv (chain)"""
+    benchmarks/results/learning_curves.csv (add), learning_curves_<task>.csv (chain, guess)"""
     from_csv: bool = False
     """no training: the table and the plot from --out"""
     extra: str = ""
@@ -277,10 +277,11 @@ def main(args: Args) -> None:
     rows = [r for r in read_csv(args.out) if r["config"] in args.configs and r["seed"] in args.seeds]
     print(format_table(summarize(rows, args.target), args.target))
     panels = PANELS
-    if args.task == "chain":
-        print(f"\nEach rollout metric over the first and the last 10 steps (mean over seeds [min, max]):\n"
-              f"{lab_table(rows)}")
-        panels = PANELS + [("step", key, key.replace("_", " ")) for key in LAB]
+    if args.task in LAB:
+        window = max(1, min(10, args.steps // 3))  # 10 steps on the chain task, 4 on guess
+        print(f"\nEach rollout metric over the first and the last {window} steps (mean over seeds [min, max]):\n"
+              f"{lab_table(rows, LAB[args.task], window)}")
+        panels = PANELS + [("step", key, key.replace("_", " ")) for key in LAB[args.task]]
     png = args.out.with_suffix(".png")
     title = (f"{len(args.configs)} configurations on the {args.task} task, seeds {' '.join(map(str, args.seeds))}; "
              f"mean and min-max over seeds; plotted {time.strftime('%Y-%m-%d')}")

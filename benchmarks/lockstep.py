@@ -168,12 +168,11 @@ def trl_worker(conn, model: str, shape: "Shape", rounds: int, seed: int, vllm: b
             output_dir=out, report_to="none", save_strategy="no", logging_steps=10**6, seed=seed,
             max_steps=(rounds + 1) * UPDATES_PER_ROLLOUT, per_device_train_batch_size=micro_batch,
             gradient_accumulation_steps=batch // micro_batch, steps_per_generation=batch // micro_batch,
-            num_iterations=UPDATES_PER_ROLLOUT, num_generations=shape.group_size,
-            max_completion_length=shape.max_new_tokens, temperature=1.0,
-            top_k=0, top_p=1.0, learning_rate=LEARNING_RATE, lr_scheduler_type="constant", warmup_steps=0,
-            weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
-            epsilon=0.2, beta=BETA, scale_rewards="group", loss_type="grpo", mask_truncated_completions=False,
-            bf16=gpu, fp16=False, gradient_checkpointing=False, use_cpu=not gpu,
+            num_iterations=UPDATES_PER_ROLLOUT, num_generations=shape.group_size, top_k=0, top_p=1.0,
+            max_completion_length=shape.max_new_tokens, temperature=1.0, learning_rate=LEARNING_RATE,
+            lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
+            adam_epsilon=1e-8, max_grad_norm=1.0, epsilon=0.2, beta=BETA, scale_rewards="group", loss_type="grpo",
+            mask_truncated_completions=False, bf16=gpu, fp16=False, gradient_checkpointing=False, use_cpu=not gpu,
             dataloader_num_workers=0, disable_tqdm=True, log_completions=False, use_vllm=vllm, vllm_mode="colocate")
         policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16 if gpu else torch.float32)
         trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=config, train_dataset=dataset,

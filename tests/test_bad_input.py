@@ -77,6 +77,13 @@ AT_START_UP = [
      "must return a list of one finite float per completion (2), got {0: 1.0, 1: 1.0}"),
     ("a `--reward-fn` that empties the list it was given", ["--reward-fn", "{tmp}/user_rewards.py:emptied"],
      "must return a list of one finite float per completion (2), got []"),
+    ("an `--env` file that does not exist", ["--env", "{tmp}/nowhere.py:Env"], "nowhere.py:Env': cannot import '"),
+    ("an `--env` class its file does not have", ["--env", "{tmp}/user_rewards.py:Game"],
+     "user_rewards.py' has no class 'Game'."),
+    ("`--max-turns 3` without an environment", ["--max-turns", "3"],
+     "--max-turns 3: turns after the first answer an environment's observation. Pass --env file.py:Class"),
+    ("`--reward-model` with an environment (ppo.py)", ["ppo.py", "--task", "guess", "--reward-model", "{tmp}"],
+     "--reward-model is single-turn: an environment scores its episodes"),
 ]
 
 # Inputs found later, each with its own test below: (input, the start of the message).
@@ -93,6 +100,8 @@ LATER = {
                   "the space free)", "error: cannot write "),
     "exit": ("a `--reward-fn` that calls `sys.exit(0)`",
              "called sys.exit(0). A reward function must return its values"),
+    "env": ("an `--env` whose `__init__`, `reset` or `step` raises, or whose `step` returns something else than "
+            "`(observation, number, done)` (tests/test_multiturn.py)", "--env "),
 }
 
 # Inputs that are handled rather than refused: (input, what happens), each with its test below.

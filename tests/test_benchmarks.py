@@ -99,9 +99,9 @@ def test_lab_table_gives_first_and_last_steps_over_seeds():
     rows = [{"config": "x", "seed": seed, "step": step, "entropy": entropy}
             for seed, values in ((1, [1.0, 2.0, 3.0, 4.0]), (2, [3.0, 4.0, 5.0, 8.0]))
             for step, entropy in enumerate(values)]
-    line = lab_table(rows, window=2).splitlines()[2].removesuffix(" |").split(" | ")
-    assert line[1 + LAB.index("entropy")] == "2.5 [1.5, 3.5] → 5 [3.5, 6.5]"  # seeds' means of steps 0-1 / 2-3
-    assert line[1 + LAB.index("step_s")] == "-"
+    line = lab_table(rows, LAB["chain"], window=2).splitlines()[2].removesuffix(" |").split(" | ")
+    assert line[1 + LAB["chain"].index("entropy")] == "2.5 [1.5, 3.5] → 5 [3.5, 6.5]"  # seeds' means of steps 0-1 / 2-3
+    assert line[1 + LAB["chain"].index("step_s")] == "-"
 
 
 def test_rows_appended_to_an_older_csv_keep_its_columns(tmp_path):

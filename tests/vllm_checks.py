@@ -28,6 +28,7 @@ from common import (  # noqa: E402 (after the path)
     DEFAULT_MODEL,
     VllmEngine,
     format_prompt,
+    generate,
     get_logprobs,
     load_model,
     load_tokenizer,
@@ -39,7 +40,7 @@ def gap(engine: VllmEngine, model, tokenizer, prompts: list[str], push: bool) ->
     """The largest |sampler - trainer| log-prob over 4 completions of each prompt, sampled after `push`ing
     the weights (else with the engine as it is)."""
     engine.stale = push
-    rollout = engine.generate(model, tokenizer, tokenizer(prompts, add_special_tokens=False).input_ids, 4, 8, 1.0)
+    rollout = generate(model, tokenizer, prompts, 4, 8, 1.0, vllm=engine)
     trainer, _ = get_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_length, 1.0,
                               entropy=False)
     return ((trainer - rollout.sampler_logprobs).abs() * rollout.response_mask).max().item()
@@ -116,14 +117,14 @@ def release() -> dict:
     engine = VllmEngine(DEFAULT_MODEL, "float32", 0, torch.optim.SGD(model.parameters(), lr=0.0))
     prompts = [format_prompt(tokenizer, "1+2", True)]
     out = {}
-    engine.generate(model, tokenizer, tokenizer(prompts, add_special_tokens=False).input_ids, 2, 8, 1.0)
+    generate(model, tokenizer, prompts, 2, 8, 1.0, vllm=engine)
     engine.llm.sleep(level=0)
     try:
         engine.llm.release_kv_cache_memory()
     except RuntimeError as error:
         out["level_0"] = str(error)
     engine.llm.wake_up(tags=["scheduling"])
-    engine.generate(model, tokenizer, tokenizer(prompts, add_special_tokens=False).input_ids, 2, 8, 1.0)
+    generate(model, tokenizer, prompts, 2, 8, 1.0, vllm=engine)
     engine.gpu = True  # the GPU's path of VllmEngine.sleep
     try:
         engine.sleep()
