@@ -395,3 +395,21 @@ def test_two_fsdp_ranks_whose_episodes_take_different_turns_give_one_process_upd
     assert result.returncode == 0, result.stderr[-3000:]
     one, two = (load_file(tmp_path / name / "final" / "model.safetensors") for name in ("one", "two"))
     assert max_relative_difference(one, two) <= 1e-5
+
+
+@pytest.mark.slow
+def test_grpo_learns_a_strategy_across_turns(tmp_path):
+    """grpo.py on --task guess as the lab runs it (8 prompts x 8 episodes a step, 12 steps): held-out success
+    rises and the episodes get shorter, i.e. the policy learns to use the environment's answers. Measured (seed
+    1, benchmarks/learning_curves.py --task guess): success 0.31 -> 0.69 on 100 held-out secrets."""
+    import grpo
+    from conftest import read_metrics
+
+    grpo.main(common.cli(grpo.Args, args=["--task", "guess", "--prompts-per-step", "8", "--eval-size", "100",
+                                          "--num-steps", "12", "--eval-every", "12", "--output-dir", str(tmp_path),
+                                          "--run-name", "learn"]))
+    metrics = read_metrics(tmp_path / "learn")
+    start, end = metrics[0]["eval/accuracy"], metrics[-1]["eval/accuracy"]
+    assert end - start >= 0.2, (start, end)
+    turns = [m["env/turns"] for m in metrics if "env/turns" in m]
+    assert sum(turns[-3:]) / 3 < sum(turns[:3]) / 3, turns
