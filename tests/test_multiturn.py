@@ -323,34 +323,7 @@ def test_the_calculator_example_answers_tool_calls_and_grades_the_final_answer(t
     assert (tmp_path / "runs" / "calc" / "final").is_dir()
 
 
-# --- Runs: kill and resume, two ranks -------------------------------------------------------------------------
-
-
-def game_args(algo: str, tmp_path, name: str, *more: str) -> list[str]:
-    return [f"{algo}.py", "--task", "guess", "--num-steps", "6", "--prompts-per-step", "4", "--group-size", "4",
-            "--eval-every", "3", "--eval-size", "8", "--save-every", "2", "--output-dir", str(tmp_path),
-            "--run-name", name, *more]
-
-
-@pytest.mark.slow
-def test_a_run_on_the_game_killed_in_a_save_resumes_bitwise(tmp_path):
-    """gvpo.py on --task guess, killed with SIGKILL while it writes its step-4 checkpoint and resumed: the
-    same weights and metrics as the run never stopped. Its replayed groups are stored episodes (their
-    masks with holes, returns and turns go through the checkpoint)."""
-    import signal
-
-    from safetensors.torch import load_file
-    from test_resume import main_in_process, read_metrics, stopped_in_second_call, without_timings
-
-    more = ["--reuse-steps", "1"]
-    main_in_process(game_args("gvpo", tmp_path, "whole", *more))
-    code, _ = stopped_in_second_call(game_args("gvpo", tmp_path, "killed", *more), tmp_path, "save", signal.SIGKILL)
-    assert code == -signal.SIGKILL, "the run ended before it could be killed"
-    main_in_process([*game_args("gvpo", tmp_path, "killed", *more), "--resume", "latest"])
-    whole, resumed = (load_file(tmp_path / name / "final" / "model.safetensors") for name in ("whole", "killed"))
-    assert all(torch.equal(whole[k], resumed[k]) for k in whole)  # bitwise
-    metrics = without_timings(read_metrics(tmp_path / "whole"))
-    assert without_timings(read_metrics(tmp_path / "killed")) == metrics and metrics[0]["env/turns"] > 1
+# --- Runs: two ranks, learning (kill and resume on the game: tests/test_resume.py, gvpo) ------------------------
 
 
 COUNTDOWN = """
@@ -399,14 +372,15 @@ def test_two_fsdp_ranks_whose_episodes_take_different_turns_give_one_process_upd
 
 @pytest.mark.slow
 def test_grpo_learns_a_strategy_across_turns(tmp_path):
-    """grpo.py on --task guess as the lab runs it (8 prompts x 8 episodes a step, 12 steps): held-out success
+    """grpo.py on --task guess as the lab runs it (8 prompts x 8 episodes a step), 8 steps: held-out success
     rises and the episodes get shorter, i.e. the policy learns to use the environment's answers. Measured (seed
-    1, benchmarks/learning_curves.py --task guess): success 0.31 -> 0.69 on 100 held-out secrets."""
+    1, benchmarks/learning_curves.py --task guess): success on 100 held-out secrets 0.31 at step 0, 0.64 at 8,
+    0.69 at 12."""
     import grpo
     from conftest import read_metrics
 
     grpo.main(common.cli(grpo.Args, args=["--task", "guess", "--prompts-per-step", "8", "--eval-size", "100",
-                                          "--num-steps", "12", "--eval-every", "12", "--output-dir", str(tmp_path),
+                                          "--num-steps", "8", "--eval-every", "8", "--output-dir", str(tmp_path),
                                           "--run-name", "learn"]))
     metrics = read_metrics(tmp_path / "learn")
     start, end = metrics[0]["eval/accuracy"], metrics[-1]["eval/accuracy"]
