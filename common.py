@@ -763,8 +763,8 @@ def evaluate(model, tokenizer, examples: list[dict], chat_template: bool, exact:
             prompts = [format_prompt(tokenizer, e["prompt"], chat_template) for e in batch]
             for j, greedy in enumerate((False, True)):
                 rollout = generate(model, tokenizer, prompts, 1, max_new_tokens, 1.0, greedy, vllm, env, batch)
-                right[j] += score(batch, rollout.texts, 1, exact, env_return=rollout.env_return)[1]["correct"] \
-                    .sum().item() * counted
+                correct = score(batch, rollout.texts, 1, exact, env_return=rollout.env_return)[1]["correct"]
+                right[j] += correct.sum().item() * counted
     right = all_reduce(right) / len(examples)
     return {"eval/accuracy": right[0].item(), "eval/accuracy_greedy": right[1].item(),
             "perf/eval_s": time.perf_counter() - start}
