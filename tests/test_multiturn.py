@@ -90,8 +90,8 @@ def test_every_loss_of_an_episode_is_the_loss_of_its_policy_tokens(algo):
 
 @pytest.mark.parametrize("mode", ["tis", "mis", "seq-tis", "seq-mis", "geo-mis"])
 def test_the_rollout_correction_sees_only_the_policy_tokens(mode):
-    """The correction's weights and its metrics are those of the policy's tokens alone; observations, whose
-    sampler log-prob is 0, get weight... none that matters: they are masked."""
+    """The correction's weights and its metrics are those of the policy's tokens alone: an observation's sampler
+    log-prob is 0 (its ratio to the trainer's would be far from 1), and the mask keeps it out of both."""
     g = torch.Generator().manual_seed(1)
     old = torch.randn(MASK.shape, generator=g, dtype=torch.float64) * 0.2 - 1
     sampler = torch.where(MASK.bool(), old + torch.randn(MASK.shape, generator=g, dtype=torch.float64) * 0.3, 0.0)
