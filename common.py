@@ -135,14 +135,15 @@ def check_flags(args) -> None:
     args.model = model if args.model is None else args.model
     args.max_new_tokens = max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
     args.max_turns = args.max_turns or (7 if args.task == "guess" else 1)
+    args.env = args.env or (GUESS if args.task == "guess" else None)  # the game's environment, as an --env
     for name, valid, must, why in FLAG_RULES:
         value = getattr(args, name)
         require(valid(value), f"--{name.replace('_', '-')}", value, must + (f" ({why})" if why else ""))
-    if args.max_turns > 1 and args.env is None and args.task != "guess":
+    if args.max_turns > 1 and args.env is None:
         raise UsageError(f"--max-turns {args.max_turns}: turns after the first answer an environment's observation. "
                          "Pass --env file.py:Class (docs/environments.md), or --task guess.")
     single_turn = [flag for flag in ("reward_model", "demos_per_group") if getattr(args, flag, None)]
-    if (args.env or args.task == "guess") and single_turn:
+    if args.env and single_turn:
         raise UsageError(f"--{single_turn[0].replace('_', '-')} is single-turn: an environment scores its episodes, "
                          "and they have no demonstrations. Leave it out with --env and --task guess.")
     if args.eval_every and args.eval_size == 0 and args.eval_dataset is None and args.eval_split is None:
@@ -536,8 +537,8 @@ def load_task(args) -> tuple:
                                 args.eval_split, args.task or "add", prompt_field=args.prompt_field,
                                 answer_field=args.answer_field)
     reward_fn = load_reward_fn(args.reward_fn, train[:2]) if args.reward_fn else None
-    spec = args.env or (GUESS if args.task == "guess" else None)
-    env = MultiTurn(load_object(spec, "--env", "class"), spec, args.max_turns, args.chat_template) if spec else None
+    env = MultiTurn(load_object(args.env, "--env", "class"), args.env, args.max_turns, args.chat_template) \
+        if args.env else None
     tokenizer = load_tokenizer(args.model)
     return tokenizer, *fit_prompts(train, held_out, tokenizer, args), args.dataset is None, reward_fn, env
 
@@ -931,14 +932,13 @@ def run_episodes(model, tokenizer, rows: list[dict], group_size: int, max_new_to
         if not all_reduce(torch.tensor(len(going), device=current_device()), "max"):
             break
         room = [max_new_tokens - len(responses[i]) for i in going]  # each episode's tokens left
-        out = generate(model, tokenizer, [prompts[i] + responses[i] for i in going] or prompts[:1], 1,
-                       max(room, default=1), temperature, greedy, vllm)
+        sample = vllm.generate if vllm is not None else sample_hf  # as `generate`, without packing the turn
+        new, new_logprobs = sample(model, tokenizer, [prompts[i] + responses[i] for i in going] or prompts[:1], 1,
+                                   max(room, default=1), temperature, greedy)
         for k, i in enumerate(going):
-            sampled = out.response_mask[k].bool()
-            ids, at_stop = cut_at_stop(tokenizer, out.input_ids[k, out.prompt_length:][sampled].tolist()[: room[k]],
-                                       stop)
+            ids, at_stop = cut_at_stop(tokenizer, new[k][: room[k]], stop)
             responses[i], masks[i], turns[i] = responses[i] + ids, masks[i] + [1] * len(ids), turn + 1
-            logprobs[i] += out.sampler_logprobs[k][sampled].tolist()[: len(ids)]
+            logprobs[i] += new_logprobs[k][: len(ids)]
             at_eos = ids[-1] in eos_ids
             ended[i] = cut[i] = not (at_eos or at_stop)  # cut by --max-new-tokens within the turn: no action
             if ended[i]:

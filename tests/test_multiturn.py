@@ -184,12 +184,11 @@ def test_the_sampled_ids_stay_as_sampled_where_a_round_trip_would_change_them(mo
     assert tokenizer(tokenizer.decode([one, two])).input_ids == [vocab["12"]]  # the round trip is not the identity
     turns = iter([[one, two, eos], [one, two, eos]])
 
-    def sampler(model, tokenizer, prompts, group_size, max_new_tokens, *args, **kwargs):  # every row samples '12'
+    def sampler(model, tokenizer, prompts, group_size, max_new_tokens, *args):  # every row samples '1', '2', EOS
         ids = next(turns)
-        n = len(prompts)
-        return common.pack(tokenizer, prompts, [ids] * n, [[1] * 3] * n, [[-0.5] * 3] * n, ["12"] * n, [False] * n)
+        return [ids] * len(prompts), [[-0.5] * 3] * len(prompts)
 
-    monkeypatch.setattr(common, "generate", sampler)
+    monkeypatch.setattr(common, "sample_hf", sampler)
     model = type("Model", (), {"generation_config": type("Config", (), {"eos_token_id": eos})})()
     rows = [{"prompt": "guess", "answer": "5"}]
     rollout = common.run_episodes(model, tokenizer, rows, 2, 100, 1.0, False, None, MultiTurn(Guess, "guess", 2))
