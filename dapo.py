@@ -295,11 +295,14 @@ def compute_loss(
     with torch.no_grad():
         n = response_mask.sum().clamp(min=1)
         clipped = (ratio < 1 - clip_eps_low) | (ratio > 1 + clip_eps_high)
+        pull = ratio * adv.abs() * response_mask  # (B, T) |d(r A) / d log pi|: each token's gradient, unbounded
+        binds = torch.where(adv > 0, ratio > 1 + clip_eps_high, ratio < 1 - clip_eps_low)  # the clip takes all of it
         metrics = {  # tensors: the caller syncs them with the device once per step
             "loss/policy": (pg_losses * response_mask).sum() / n,
             "policy/clipfrac": (clipped.float() * response_mask).sum() / n,
             "policy/clipfrac_low": ((ratio < 1 - clip_eps_low).float() * response_mask).sum() / n,
             "policy/clipfrac_high": ((ratio > 1 + clip_eps_high).float() * response_mask).sum() / n,
+            "policy/gradient_removed": (pull * binds).sum() / pull.sum().clamp(min=1e-12),  # share of sum |r A|
             "policy/approx_kl": (((ratio - 1) - torch.log(ratio)) * response_mask).sum() / n,
         }
     return loss, metrics

@@ -13,8 +13,8 @@ Objective (maximised; r = pi_theta / pi_old per token, A_i = (R_i - mean R) / (s
     J = 1/G sum_i 1/|o_i| sum_t [ min(r_it A_i, clip(r_it, 1-eps, 1+eps) A_i) - beta * k3_it ]
     k3_it = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1
 
-This is the baseline file: dapo.py, cispo.py, gvpo.py, ppo.py, drgrpo.py, gspo.py and rloo.py differ
-from it only in their algorithm sections (`diff grpo.py dapo.py`).
+This is the baseline file: dapo.py, cispo.py, gvpo.py, ppo.py, drgrpo.py, gspo.py, rloo.py, sapo.py and
+dppo.py differ from it only in their algorithm sections (`diff grpo.py dapo.py`).
 
 Run:
     python grpo.py                                          # offline default: tiny model, a+b task, CPU
@@ -271,12 +271,15 @@ def compute_loss(
     with torch.no_grad():
         n = response_mask.sum().clamp(min=1)
         clipped = (ratio - 1).abs() > clip_eps
+        pull = ratio * adv.abs() * response_mask  # (B, T) |d(r A) / d log pi|: each token's gradient, unbounded
+        binds = torch.where(adv > 0, ratio > 1 + clip_eps, ratio < 1 - clip_eps)  # the clip takes all its gradient
         metrics = {  # tensors: the caller syncs them with the device once per step
             "loss/policy": ((pg_losses * response_mask).sum(-1) / token_count).mean(),
             "loss/kl": ((kl * response_mask).sum(-1) / token_count).mean(),
             "policy/clipfrac": (clipped.float() * response_mask).sum() / n,
             "policy/clipfrac_low": ((ratio < 1 - clip_eps).float() * response_mask).sum() / n,  # below 1 - eps
             "policy/clipfrac_high": ((ratio > 1 + clip_eps).float() * response_mask).sum() / n,  # above 1 + eps
+            "policy/gradient_removed": (pull * binds).sum() / pull.sum().clamp(min=1e-12),  # share of sum |r A|
             "policy/approx_kl": (((ratio - 1) - torch.log(ratio)) * response_mask).sum() / n,
         }
     return loss, metrics

@@ -60,6 +60,7 @@ from common import (
     UsageError,
     VllmEngine,
     add_lora,
+    all_reduce,
     cat_rollouts,
     check_flags,
     claim_run_dir,
@@ -236,6 +237,9 @@ class AlgorithmFlags:
     demos_per_group: int = 0
     """mixed data: k of each group's G completions are the example's worked completion (--task chain's
     scratchpad; on a --dataset, its answer), not sampled: graded and trained as the others (docs/gvpo.md)"""
+    target_kl: Optional[float] = None
+    """adapt beta after each step toward this KL from the anchor to the updated policy (nats per completion;
+    PPO's adaptive KL penalty: x2 above 1.5 x target, /2 below target / 1.5); None: beta fixed"""
 
 
 @dataclass
@@ -294,6 +298,17 @@ def compute_loss(
     return loss, metrics
 
 
+def update_beta(beta: float, kl: float, target_kl: float) -> float:
+    """PPO's adaptive KL penalty (Schulman et al., arXiv:1707.06347, section 4): after a step whose KL to the
+    anchor was d, beta /= 2 if d < target / 1.5, beta *= 2 if d > target * 1.5, else unchanged. A larger beta
+    pulls the implicit reward, and so the policy, closer to the anchor."""
+    if kl < target_kl / 1.5:
+        return beta / 2
+    if kl > target_kl * 1.5:
+        return beta * 2
+    return beta
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. Training
 # ---------------------------------------------------------------------------------------------
@@ -307,6 +322,8 @@ def main(args: Args) -> None:
     require(args.reuse_steps >= 0, "--reuse-steps", args.reuse_steps, ">= 0")
     require(0 <= args.demos_per_group < args.group_size, "--demos-per-group", args.demos_per_group,
             f"in [0, --group-size {args.group_size}) (each group samples at least one completion)")
+    require(args.target_kl is None or args.target_kl > 0, "--target-kl", args.target_kl,
+            "> 0 nats per completion (or leave it out to keep --beta fixed)")
     exact_div(args.minibatch_size, args.group_size, "--num-minibatches must split the sequences per rank into "
               "whole groups (a multiple of --group-size)")
     exact_div(args.micro_batch_size, args.group_size, "--micro-batch-size must be a multiple of --group-size: "
@@ -335,6 +352,7 @@ def main(args: Args) -> None:
     G = state.setdefault("group_size", args.group_size)  # of the replayed groups: another would mix their prompts
     require(G == args.group_size or not state["replay"], "--group-size", args.group_size, f"{G}, as in the checkpoint")
     state["group_size"] = args.group_size
+    state["beta"] = state.get("beta", args.beta) if args.target_kl else args.beta  # adapted: in every checkpoint
     # ---
     # What the update calls: DDP averages gradients over ranks (FSDP2 has sharded in place: nothing to wrap).
     wrapped = {name: DDP(m) if args.world_size > 1 and not args.fsdp else m for name, m in trained.items()}
@@ -429,7 +447,11 @@ def main(args: Args) -> None:
                         # --- algorithm: the GVPO loss ---
                         loss, mb_metrics = compute_loss(
                             logprobs, b_old_logprobs[idx], b_advantages[idx], b_response_mask[idx], num_groups,
-                            args.group_size, args.beta)
+                            args.group_size, state["beta"])
+                        # Adapted, beta sets only the pull toward the anchor: the MSE's gradient is beta times
+                        # (b - beta (a - mean a)) grad log pi, and Adam's memory of the gradient's scale (~1000 steps)
+                        # would make a smaller beta also a smaller step. Divided by beta, it is the weight form.
+                        loss = loss / state["beta"] if args.target_kl else loss
                         # ---
                         loss.backward()
                     mb_metrics["policy/entropy"] = masked_mean(entropy, b_response_mask[idx])
@@ -445,6 +467,14 @@ def main(args: Args) -> None:
                                args.rollout_correction, args.correction_cap)
         kept = None if kept is None else torch.where(b_sampled_now[:n, None], kept, 1.0)
         state["replay"] = ([(rollout, rewards, kept)] + state["replay"])[: args.reuse_steps]
+        metrics["algo/beta"] = state["beta"]
+        if args.target_kl:  # the next step's beta, from KL(pi_anchor || pi_theta) on this step's own samples
+            with torch.no_grad():  # a forward pass more, of the updated policy
+                log_ratio = rollout_logprobs(model, b_rollout, args.temperature, args.micro_batch_size) - b_old_logprobs
+            kl = ((log_ratio.exp() - 1 - log_ratio) * b_response_mask).sum(-1)[b_sampled_now]  # (n,) k3 per completion
+            kl_sum, count = all_reduce(torch.stack([kl.sum(), kl.new_tensor(len(kl))])).tolist()
+            metrics["algo/kl_to_anchor"] = kl_sum / max(count, 1)
+            state["beta"] = update_beta(state["beta"], metrics["algo/kl_to_anchor"], args.target_kl)
         # ---
 
         # --- algorithm: the sampler guard, on the completions this policy sampled ---

@@ -2,25 +2,25 @@
 the curves (mean and min-max over seeds), a table of how fast each file reaches a target held-out accuracy, and on
 the chain and guess tasks the table of the lab's rollout metrics (docs/lab.md).
 
-    python -m benchmarks.learning_curves                        # from the repo root: 8 files x seeds 1 2 3 x 200 steps
-    python -m benchmarks.learning_curves --task chain           # the lab: 8 files and 4 variants x 3 seeds x 60 steps
-    python -m benchmarks.learning_curves --task guess --eval-every 4   # multi-turn: 8 files x 3 seeds x 12 steps
+    python -m benchmarks.learning_curves                        # from the repo root: 10 files x seeds 1 2 3 x 200 steps
+    python -m benchmarks.learning_curves --task chain           # the lab: 10 files and 4 variants x 3 seeds x 60 steps
+    python -m benchmarks.learning_curves --task guess --eval-every 4   # multi-turn: 10 files x 3 seeds x 12 steps
+    python -m benchmarks.learning_curves --task stress          # the chain, 16 optimizer steps per rollout
     python -m benchmarks.learning_curves --configs grpo "gvpo --reuse-steps 1" --seeds 1 2
     python -m benchmarks.learning_curves --from-csv             # table and plot of --out only, no training
 
-Every run is `python <file>.py --seed S --num-steps N --eval-every E` with the files' shared defaults
-(32 prompts x 8 completions per step, 2 updates per rollout, learning rate 2e-4) and the task's flags
-(`TASKS`): the same rollout budget per step for every file, except that DAPO's dynamic sampling draws
-extra rounds of prompts to replace the groups it drops, which the `completions` column counts.
+Every run is `python <file>.py --seed S --num-steps N --eval-every E` with the files' shared defaults (32 prompts x
+8 completions per step, 2 updates per rollout, learning rate 2e-4) and the task's flags (`TASKS`): the same rollout
+budget per step for every file, except that DAPO's dynamic sampling draws extra rounds of prompts to replace the
+groups it drops, which the `completions` column counts.
 
-CSV columns, one row per (config, seed, step): `step` = training steps done; `wall_s` = their training
-time (the sum of `perf/step_s` without evaluation); `completions` = completions sampled by them;
-`eval_accuracy`, `eval_accuracy_greedy` = held-out accuracy after `step` steps (one sample at T=1 /
-greedy; empty between evaluations); `reward_mean` and the rest (`ROLLOUT`: docs/metrics.md) = of the
-rollout sampled at that step (empty at the last row, and where the file logs no such key). Each
-finished run is appended at once, and runs already in the CSV are skipped, so an interrupted benchmark
-goes on where it stopped. Plotting needs matplotlib (`pip install -r benchmarks/requirements.txt`).
-"""
+CSV columns, one row per (config, seed, step): `step` = training steps done; `wall_s` = their training time (the sum
+of `perf/step_s` without evaluation); `completions` = completions sampled by them; `eval_accuracy`,
+`eval_accuracy_greedy` = held-out accuracy after `step` steps (one sample at T=1 / greedy; empty between
+evaluations); `reward_mean` and the rest (`ROLLOUT`: docs/metrics.md) = of the rollout sampled at that step (empty
+at the last row, and where the file logs no such key). Each finished run is appended at once, and runs already in
+the CSV are skipped, so an interrupted benchmark goes on where it stopped. Plotting needs matplotlib (`pip install
+-r benchmarks/requirements.txt`)."""
 
 import csv
 import json
@@ -38,20 +38,24 @@ from typing import Literal, Optional
 import tyro
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = ["grpo", "dapo", "cispo", "gvpo", "ppo", "drgrpo", "gspo", "rloo"]
-# The lab's variants (docs/lab.md): DAPO without clip-higher and without overlong shaping, GVPO off-policy
-LAB_CONFIGS = ["dapo --clip-eps-high 0.2", "dapo --overlong-buffer 0", "gvpo --reuse-steps 1 --updates-per-rollout 1",
-               "gvpo --demos-per-group 2"]
+CONFIGS = ["grpo", "dapo", "cispo", "gvpo", "ppo", "drgrpo", "gspo", "rloo", "sapo", "dppo"]
+# The lab's variants (docs/lab.md): DAPO without clip-higher or overlong shaping, GVPO off-policy or with adapted beta
+LAB_CONFIGS = {"chain": ["dapo --clip-eps-high 0.2", "dapo --overlong-buffer 0", "gvpo --reuse-steps 1 "
+                         "--updates-per-rollout 1", "gvpo --demos-per-group 2"],
+               "stress": ["dapo --clip-eps-high 0.2", "gvpo --target-kl 1"]}
 # steps, target held-out accuracy, flags (the chain task starts at ~0.27: 0.4 is ~5 evaluation standard errors above)
-TASKS = {"add": (200, 0.7, []), "chain": (60, 0.4, ["--task", "chain", "--prompts-per-step", "16"]),
-         "guess": (12, 0.5, ["--task", "guess", "--prompts-per-step", "8", "--eval-size", "100"])}
+CHAIN, GUESS = ["--task", "chain", "--prompts-per-step", "16"], ["--task", "guess", "--prompts-per-step", "8"]
+TASKS = {"add": (200, 0.7, []), "chain": (60, 0.4, CHAIN), "guess": (12, 0.5, GUESS + ["--eval-size", "100"]),
+         "stress": (60, 0.4, CHAIN + ["--num-minibatches", "8", "--eval-size", "250"])}
 ROLLOUT = {"reward_mean": "reward/mean", "response_length": "response/length_mean",  # column: metric of the rollout
            "length_correct": "response/length_correct", "length_wrong": "response/length_wrong",
            "truncated_frac": "response/truncated_frac", "entropy": "policy/entropy",
            "clipfrac_low": "policy/clipfrac_low", "clipfrac_high": "policy/clipfrac_high",
            "self_correction_frac": "task/self_correction_frac", "turns": "env/turns",
            "self_correction_accuracy": "task/self_correction_accuracy", "kept_groups_frac": "algo/kept_groups_frac",
-           "explained_variance": "algo/explained_variance", "step_s": "perf/step_s"}
+           "explained_variance": "algo/explained_variance", "step_s": "perf/step_s", "approx_kl": "policy/approx_kl",
+           "gradient_removed": "policy/gradient_removed", "gate_weight": "policy/gate_weight", "beta": "algo/beta",
+           "maskfrac": "policy/maskfrac", "band_clipfrac": "policy/band_clipfrac", "kl_to_anchor": "algo/kl_to_anchor"}
 COLUMNS = ["config", "seed", "step", "wall_s", "completions", "eval_accuracy", "eval_accuracy_greedy", *ROLLOUT]
 
 
@@ -114,8 +118,7 @@ def curves(rows: list[dict], key: str) -> dict[str, dict[int, list[dict]]]:
 
 
 def mean_std(values: list[float]) -> str:
-    std = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.3f} ± {std:.3f}"
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values) if len(values) > 1 else 0.0:.3f}"
 
 
 def summarize(rows: list[dict], target: float) -> list[dict]:
@@ -156,7 +159,9 @@ PANELS = [("step", "eval_accuracy", "held-out accuracy (sampled, T=1)"), ("step"
           "held-out accuracy (greedy)"), ("completions", "eval_accuracy", "held-out accuracy (sampled, T=1)")]
 LAB = {"chain": ["entropy", "length_correct", "length_wrong", "truncated_frac", "clipfrac_low", "clipfrac_high",
                  "self_correction_frac", "self_correction_accuracy", "kept_groups_frac", "explained_variance",
-                 "step_s"], "guess": ["turns", "truncated_frac", "response_length", "entropy", "step_s"]}
+                 "step_s"], "guess": ["turns", "truncated_frac", "response_length", "entropy", "step_s"],
+       "stress": ["entropy", "approx_kl", "clipfrac_low", "clipfrac_high", "gradient_removed", "gate_weight",
+                  "maskfrac", "band_clipfrac", "beta", "kl_to_anchor", "step_s"]}
 
 
 def plot(rows: list[dict], path: Path, title: str, panels: list[tuple[str, str, str]]) -> bool:
@@ -221,20 +226,21 @@ def lab_table(rows: list[dict], keys: list[str], window: int = 10) -> str:
 
 @dataclass
 class Args:
-    task: Literal["add", "chain", "guess"] = "add"
-    """the built-in task: add (the offline default), chain (the lab, docs/lab.md) or guess (multi-turn)"""
+    task: Literal["add", "chain", "guess", "stress"] = "add"
+    """the built-in task: add (the offline default), chain (the lab, docs/lab.md), guess (multi-turn) or stress
+    (the chain with --num-minibatches 8: 16 optimizer steps per rollout)"""
     configs: Optional[tuple[str, ...]] = None
-    """algorithm files, each optionally with its own flags, e.g. grpo "gvpo --reuse-steps 1"; left out: the 8
-    files (and on the chain task the lab's variants, LAB_CONFIGS)"""
+    """algorithm files, each optionally with its own flags, e.g. grpo "gvpo --reuse-steps 1"; left out: the 10
+    files (and on the chain and stress tasks the lab's variants, LAB_CONFIGS)"""
     seeds: tuple[int, ...] = (1, 2, 3)
     steps: Optional[int] = None
-    """training steps of each run; left out: 200 for add, 60 for chain, 12 for guess"""
+    """training steps of each run; left out: 200 for add, 60 for chain and stress, 12 for guess"""
     eval_every: int = 20
     target: Optional[float] = None
-    """held-out sampled accuracy for the table; left out: 0.7 for add, 0.4 for chain, 0.5 for guess"""
+    """held-out sampled accuracy for the table; left out: 0.7 for add, 0.4 for chain and stress, 0.5 for guess"""
     out: Optional[Path] = None
     """the CSV (one --steps budget per file); the PNG is written next to it; left out:
-    benchmarks/results/learning_curves.csv (add), learning_curves_<task>.csv (chain, guess)"""
+    benchmarks/results/learning_curves.csv (add), learning_curves_<task>.csv (the others)"""
     from_csv: bool = False
     """no training: the table and the plot from --out"""
     extra: str = ""
@@ -244,19 +250,17 @@ class Args:
 def main(args: Args) -> None:
     steps, target, task_flags = TASKS[args.task]
     args.steps, args.target = args.steps or steps, args.target or target
-    args.configs = args.configs or tuple(CONFIGS + (LAB_CONFIGS if args.task == "chain" else []))
+    args.configs = args.configs or tuple(CONFIGS + LAB_CONFIGS.get(args.task, []))
     args.out = args.out or ROOT / "benchmarks" / "results" / \
         ("learning_curves.csv" if args.task == "add" else f"learning_curves_{args.task}.csv")
     extra = task_flags + shlex.split(args.extra)
-    for config in args.configs:
-        if not (ROOT / f"{shlex.split(config)[0]}.py").exists():
-            raise SystemExit(f"error: --configs: no file {shlex.split(config)[0]}.py "
-                             f"(choose from {', '.join(CONFIGS)})")
+    for file in [f for f in (shlex.split(config)[0] for config in args.configs) if not (ROOT / f"{f}.py").exists()]:
+        raise SystemExit(f"error: --configs: no file {file}.py (choose from {', '.join(CONFIGS)})")
 
     if not args.from_csv:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        existing = read_csv(args.out) if args.out.exists() else []
-        done = {(r["config"], r["seed"]) for r in existing if r["step"] == args.steps}
+        done = {(r["config"], r["seed"]) for r in (read_csv(args.out) if args.out.exists() else [])
+                if r["step"] == args.steps}
         # seed-major: every config has a seed early, should the benchmark be stopped half way
         todo = [(c, s) for s in args.seeds for c in args.configs if (c, s) not in done]
         print(f"{len(todo)} runs of {args.steps} steps to do ({len(done)} already in {args.out})", flush=True)
@@ -266,9 +270,8 @@ def main(args: Args) -> None:
                 start = time.perf_counter()
                 new = run(config, seed, args.steps, args.eval_every, extra, Path(tmp))
                 append_csv(args.out, new)
-                final = new[-1]
                 print(f"[{i}/{len(todo)}] {config} seed {seed}: held-out {new[0]['eval_accuracy']:.3f} -> "
-                      f"{final['eval_accuracy']:.3f} (greedy {final['eval_accuracy_greedy']:.3f}), "
+                      f"{new[-1]['eval_accuracy']:.3f} (greedy {new[-1]['eval_accuracy_greedy']:.3f}), "
                       f"{time.perf_counter() - start:.0f} s", flush=True)
         print(f"{len(todo)} runs in {(time.perf_counter() - start_all) / 60:.1f} minutes")
 
@@ -282,13 +285,10 @@ def main(args: Args) -> None:
         print(f"\nEach rollout metric over the first and the last {window} steps (mean over seeds [min, max]):\n"
               f"{lab_table(rows, LAB[args.task], window)}")
         panels = PANELS + [("step", key, key.replace("_", " ")) for key in LAB[args.task]]
-    png = args.out.with_suffix(".png")
-    title = (f"{len(args.configs)} configurations on the {args.task} task, seeds {' '.join(map(str, args.seeds))}; "
-             f"mean and min-max over seeds; plotted {time.strftime('%Y-%m-%d')}")
-    if plot(rows, png, title, panels):
-        print(f"plot: {png}")
-    else:
-        print("no plot: matplotlib is not installed (pip install -r benchmarks/requirements.txt)")
+    png, seeds = args.out.with_suffix(".png"), " ".join(map(str, args.seeds))
+    title = f"{len(args.configs)} configurations on the {args.task} task, seeds {seeds}; mean and min-max over seeds"
+    print(f"plot: {png}" if plot(rows, png, f"{title}; plotted {time.strftime('%Y-%m-%d')}", panels) else
+          "no plot: matplotlib is not installed (pip install -r benchmarks/requirements.txt)")
 
 
 if __name__ == "__main__":

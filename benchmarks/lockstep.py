@@ -292,7 +292,7 @@ def print_comparison(result: dict, shape: Shape, rounds: int, warmup: int) -> No
 
 @dataclass
 class Args:
-    file: Literal["grpo", "dapo", "cispo", "gvpo", "ppo", "drgrpo", "gspo", "rloo"] = "grpo"
+    file: Literal["grpo", "dapo", "cispo", "gvpo", "ppo", "drgrpo", "gspo", "rloo", "sapo", "dppo"] = "grpo"
     """the algorithm file of this checkout"""
     against: str = "trl"
     """'trl' (TRL's GRPOTrainer at grpo.py's configuration), or another checkout's folder: its --file"""

@@ -48,7 +48,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 # Every algorithm file; the shared tests run on each.
-ALGORITHMS = ["grpo", "dapo", "cispo", "gvpo", "ppo", "drgrpo", "gspo", "rloo"]
+ALGORITHMS = ["grpo", "dapo", "cispo", "gvpo", "ppo", "drgrpo", "gspo", "rloo", "sapo", "dppo"]
 
 
 @pytest.fixture

@@ -158,3 +158,27 @@ def test_a_resume_with_the_rollout_correction_turned_on_weights_the_replayed_gro
     gvpo.main(gvpo.Args(num_steps=3, resume="latest", rollout_correction="tis", **settings))
     weights = torch.cat(steps)  # (32, T): 16 fresh rows, then the 16 replayed from step 1
     assert weights.shape[0] == 32 and torch.equal(weights[16:], torch.ones_like(weights[16:]))
+
+
+def test_adaptive_beta_hand_worked():
+    # PPO's adaptive KL penalty (Schulman et al. 2017, arXiv:1707.06347, section 4), target 1: a KL below 1 / 1.5
+    # halves beta, above 1.5 doubles it, between (edges included) keeps it.
+    assert [gvpo.update_beta(0.1, kl, 1.0) for kl in (0.6, 2 / 3, 1.0, 1.5, 1.6)] == [0.05, 0.1, 0.1, 0.1, 0.2]
+
+
+def test_target_kl_adapts_beta_from_the_kl_the_step_measured(tmp_path, monkeypatch):
+    """Each step's beta is update_beta of the previous step's: measured as the k3 estimate of KL(anchor || updated
+    policy) on the step's own samples, summed per completion."""
+    seen = []
+    real = gvpo.compute_loss
+    monkeypatch.setattr(gvpo, "compute_loss", lambda *a: (seen.append(a[-1]), real(*a))[1])
+    gvpo.main(gvpo.Args(num_steps=4, prompts_per_step=2, group_size=4, eval_every=0, target_kl=0.05,
+                        output_dir=str(tmp_path), run_name="adapt"))
+    metrics = read_metrics(tmp_path / "adapt")
+    betas = [m["algo/beta"] for m in metrics]
+    assert betas[0] == 0.1 and seen == [b for b in betas for _ in range(2)]  # 2 passes x 1 minibatch per step
+    for before, after in zip(metrics, metrics[1:]):
+        assert after["algo/beta"] == gvpo.update_beta(before["algo/beta"], before["algo/kl_to_anchor"], 0.05)
+    assert len(set(betas)) > 1, betas  # the controller acted
+    with pytest.raises(UsageError, match="--target-kl 0.0: must be > 0"):
+        gvpo.main(gvpo.Args(target_kl=0.0, output_dir=str(tmp_path)))

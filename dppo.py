@@ -1,0 +1,470 @@
+"""DPPO: Divergence Proximal Policy Optimization, a trust region on the probability, not on the ratio.
+
+PPO's band bounds each token's ratio r = pi_theta / pi_old, a one-sample estimate of how far the policy
+moved, and a poor one: a rare token's ratio swings wildly while the distribution barely moves, and a
+common token's probability can move a lot inside the band. DPPO bounds an estimate of the divergence
+between the old and new distributions at each position instead, from the sampled token alone: the
+"binary" distributions (the token, everything else), with probabilities mu = pi_old(o_t), p = pi_theta(o_t):
+    binary TV:  D = |p - mu| = mu |r - 1|                    (the default; delta = 0.15)
+    binary KL:  D = mu log(mu / p) + (1 - mu) log((1 - mu) / (1 - p))     (--divergence kl; delta = 0.05)
+A token is masked (no gradient) when its move has gone past delta in the direction its advantage pushes
+(up for A > 0, down for A < 0), as PPO's clip binds only on that side. So the bound on the ratio adapts
+to the token: |r - 1| <= delta / mu under TV.
+    mu 0.001 -> p 0.003:  r = 3,    TV 0.002: kept (PPO's band would clip it)
+    mu 0.5   -> p 0.9:    r = 1.8,  TV 0.4:   masked for A > 0 (PPO's band too)
+    mu 0.99  -> p 0.80:   r = 0.81, TV 0.19:  masked for A < 0 (PPO's band with eps 0.2 would not)
+
+Paper: "Rethinking the Trust Region in LLM RL" (DPPO), arXiv:2602.04879 (2026); code sail-sg/Stable-RL.
+The thresholds 0.15 (TV) and 0.05 (KL) are those of the authors' verl scripts (examples/dppo_trainer) and
+TRL's DPPO trainer, which cites them as the paper's recommendation.
+
+Objective (maximised; A_i = (R_i - mean R) / (std R + eps) as in GRPO, M_it = 0 for a masked token, else 1):
+    J = 1/G sum_i 1/|o_i| sum_t sg(M_it) r_it A_i
+    (GRPO: min(r A, clip(r, 1-eps, 1+eps) A): masked where r left [1-eps, 1+eps] on the side A pushes)
+
+Peers. verl (policy_loss.loss_mode=dppo_tv / dppo_kl) and Stable-RL write the term as -A sg(min(r, C)) M log pi,
+the same gradient as -A r M while r <= C (the authors' scripts disable C; TRL's DPPO trainer caps at 20; no cap
+here); prime-rl's default loss writes -A r M, as here, plus 1e-3 (log r)^2. They aggregate otherwise: the
+authors' scripts sum each completion's tokens with no std in the advantage, verl and prime-rl default to a
+mean over the batch's tokens. This file keeps GRPO's advantage and aggregation, so `diff dppo.py dppo.py`
+shows the trust region alone, and the lab compares trust regions, not normalisations.
+
+Differences from dppo.py:
+- Loss: -M r A per token, M the divergence mask (detached), instead of the clipped surrogate.
+- --divergence tv|kl and --delta instead of --clip-eps.
+- --beta defaults to 0 (the paper's: no KL term, no reference model); a positive value adds GRPO's k3 term.
+- Metrics: the masked fraction, next to what PPO's band (eps 0.2) would have clipped at the same ratios.
+
+Run:
+    python dppo.py                                          # offline default: tiny model, a+b task, CPU
+    torchrun --standalone --nproc_per_node=2 dppo.py        # data-parallel (gloo on CPU, nccl on GPU)
+    torchrun --standalone --nproc_per_node=8 dppo.py --model Qwen/Qwen2.5-0.5B-Instruct \\
+        --dataset train.jsonl --max-new-tokens 512 --learning-rate 1e-6 --micro-batch-size 16
+"""
+
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+import tyro
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from common import (
+    Logger,
+    UsageError,
+    VllmEngine,
+    add_lora,
+    all_reduce,
+    check_flags,
+    claim_run_dir,
+    cleanup_distributed,
+    cli,
+    clip_grad_norm,
+    evaluate,
+    format_prompt,
+    generate,
+    get_logprobs,
+    load_checkpoint,
+    load_model,
+    load_reference,
+    load_task,
+    masked_mean,
+    mean_metrics,
+    no_sync,
+    prepare_run_dir,
+    print0,
+    prompt_batch,
+    require,
+    reweighted,
+    rollout_logprobs,
+    rollout_weights,
+    sampler_logprob_gap,
+    save_checkpoint,
+    score,
+    setup_distributed,
+    shard_model,
+    step_metrics,
+    timed,
+)
+
+# ---------------------------------------------------------------------------------------------
+# 1. Config
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ExperimentFlags:
+    seed: int = 1
+    """seed of the data order, the sampling and evaluation"""
+    run_name: Optional[str] = None
+    """metrics and checkpoints go to <output-dir>/<run-name>; left out: <file>__<seed>__<unix time>__<pid>"""
+    output_dir: str = "runs"
+    """folder of all runs"""
+    track: bool = False
+    """log to Weights & Biases (pip install wandb)"""
+    eval_every: int = 20
+    """evaluate on the held-out split every N steps, and at the end (0: never)"""
+    save_every: int = 0
+    """save a resumable checkpoint (weights, optimizer, RNG, step) every N steps (0: only the final weights)"""
+    keep_checkpoints: int = 0
+    """keep only the newest N step checkpoints, removing older ones after each save (0: keep all)"""
+    resume: Optional[str] = None
+    """continue from a checkpoint folder <run>/step_N (in <run>, or in --run-name's folder when given), or
+    'latest' for the newest checkpoint of --run-name's run"""
+
+
+@dataclass
+class ModelAndDataFlags:
+    model: Optional[str] = None
+    """Hugging Face model name or local folder; left out: the bundled tiny model of --task"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """weights dtype; auto = float32 on CPU, bfloat16 on GPU (log-probs are always computed in float32)"""
+    dataset: Optional[str] = None
+    """training data: a JSONL file, a Hugging Face dataset name, or a JSON/Parquet/CSV file or dataset folder
+    (needs `pip install datasets`); left out: the built-in --task"""
+    task: Optional[Literal["add", "chain", "guess"]] = None
+    """built-in task, without --dataset: add (a+b, answered with the digits), chain (sums of 2-6 numbers,
+    partial sums then '#### total': the lab, docs/lab.md) or guess (find a number from 0 to 99 over turns,
+    told 'higher' or 'lower': multi-turn); left out: add"""
+    dataset_config: Optional[str] = None
+    """configuration of --dataset (e.g. 'main' for openai/gsm8k)"""
+    split: str = "train"
+    """split of --dataset to train on"""
+    eval_dataset: Optional[str] = None
+    """held-out data, in the same forms; left out: --eval-split of --dataset, else its last --eval-size rows"""
+    eval_split: Optional[str] = None
+    """split of the held-out data; left out: 'test' for --eval-dataset (or its only split)"""
+    eval_size: int = 500
+    """held-out prompts taken from the built-in task or --dataset when there is no --eval-dataset or --eval-split"""
+    prompt_field: str = "prompt"
+    """the rows' prompt field (e.g. 'question' for openai/gsm8k, 'problem' for MATH)"""
+    answer_field: str = "answer"
+    """the rows' gold-answer field; a final \\boxed{} or GSM8K's '#### 72' in it is found"""
+    chat_template: bool = True
+    """wrap prompts in the tokenizer's chat template, when it has one"""
+    format_weight: float = 0.0
+    """weight of the format reward (answer as a bare number / in \\boxed{}) added to correctness"""
+    reward_fn: Optional[str] = None
+    """extra reward 'module:function' or 'file.py:function', called as fn(prompts, completions, answers)"""
+    env: Optional[str] = None
+    """multi-turn environment 'file.py:Class' or 'module:Class', one per episode, made from its dataset row; it
+    answers each turn and gives the rewards (docs/environments.md)"""
+
+
+@dataclass
+class RolloutFlags:
+    num_steps: int = 200
+    """training steps; each samples one rollout and takes updates-per-rollout x num-minibatches optimizer steps"""
+    prompts_per_step: int = 32
+    """prompts per rollout, over all ranks"""
+    group_size: int = 8
+    """G: completions sampled per prompt"""
+    max_prompt_length: Optional[int] = None
+    """drop prompts longer than this many tokens after the chat template; left out: only those that leave
+    no room for --max-new-tokens in the model's positions are dropped"""
+    max_new_tokens: Optional[int] = None
+    """tokens after the prompt: the completion's, or with --max-turns > 1 the episode's (the policy's turns and
+    the observations); one that reaches it without EOS is 'truncated'; left out: 64 for --task chain, 192 for
+    guess, else 8"""
+    max_turns: Optional[int] = None
+    """the policy's turns per episode, each answered by the environment (--env); an episode that has not ended
+    after them is 'truncated'; left out: 7 for --task guess, else 1"""
+    temperature: float = 1.0
+    """sampling temperature; log-probs divide the logits by it too"""
+    vllm: bool = False
+    """sample rollouts and evaluations with a vLLM engine beside the policy on each rank's device, which gets the
+    policy's weights after each change (pip install -r requirements-vllm.txt, in an environment of its own)"""
+    vllm_gpu_memory: float = 0.3
+    """fraction of the GPU's memory the vLLM engine takes for its weights and KV cache (--vllm on a GPU)"""
+    vllm_keep_weights: bool = True
+    """the vLLM engine keeps its weights on the GPU between calls, freeing only its KV cache for the update;
+    --no-vllm-keep-weights frees them too (memory for a larger update, a push before every call)"""
+    rollout_correction: Literal["auto", "none", "tis", "mis", "seq-tis", "seq-mis", "geo-mis"] = "auto"
+    """weight each token's loss by w = pi_old / pi_sampler, truncated at --correction-cap (tis), or keep only
+    the tokens with w in [1/cap, cap] (mis); seq-tis, seq-mis: the same with the completion's ratio prod_t w_t on
+    each of its tokens; geo-mis: seq-mis with the geometric mean of w; auto: tis with --vllm, else none"""
+    correction_cap: float = 2.0
+    """C of --rollout-correction"""
+
+
+@dataclass
+class OptimizationFlags:
+    learning_rate: float = 2e-4
+    """tuned for the tiny default model; 1e-6 is the paper's value for 7B models"""
+    updates_per_rollout: int = 2
+    """mu: passes over each rollout (1 makes the ratio exactly 1 and clipping inactive)"""
+    num_minibatches: int = 1
+    """optimizer steps per pass over the rollout"""
+    micro_batch_size: Optional[int] = None
+    """sequences per forward/backward on each rank, accumulated up to the minibatch; left out: the whole minibatch"""
+    fsdp: bool = False
+    """shard weights, gradients and optimizer state over the ranks (FSDP2; bf16 compute on GPU) instead of DDP"""
+    dist_timeout: float = 60.0
+    """minutes a rank waits for the others at a collective before the run stops (a step's generation and
+    scoring must fit in it)"""
+    gradient_checkpointing: bool = False
+    """recompute each layer's activations in the backward pass: less activation memory, ~1/3 more compute"""
+    lora_rank: int = 0
+    """train LoRA adapters of this rank instead of the whole model (pip install peft; the reference model is
+    then the policy with its adapters off, no copy); 0: full fine-tuning"""
+    lora_alpha: float = 16.0
+    """the adapters' scale is lora-alpha / lora-rank (their dropout is 0: the trained distribution must be the
+    sampled one)"""
+    lora_targets: str = "all-linear"
+    """modules that get adapters: all-linear (every linear layer of the transformer blocks) or names, q_proj,v_proj"""
+    max_grad_norm: float = 1.0
+    """gradient clipping (verl and the DAPO script use 1.0)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+
+
+@dataclass
+class AlgorithmFlags:
+    divergence: Literal["tv", "kl"] = "tv"
+    """the trust region's divergence between the old and new binary distributions at each token: tv or kl"""
+    delta: Optional[float] = None
+    """a token is masked once its divergence passes delta in the direction its advantage pushes; left out:
+    0.15 for tv, 0.05 for kl (the authors' scripts)"""
+    beta: float = 0.0
+    """weight of GRPO's k3 KL penalty to the reference model (paper: 0, no KL); 0 skips the reference model"""
+    std_eps: float = 1e-6
+    """added to the group std before dividing (verl's value)"""
+
+
+@dataclass
+class Args(AlgorithmFlags, OptimizationFlags, RolloutFlags, ModelAndDataFlags, ExperimentFlags):
+    """Every flag, flat (args.seed, args.beta, ...); `--help` shows them in the groups above."""
+
+    # Computed at runtime
+    world_size: tyro.conf.Suppress[int] = 1
+    local_prompts_per_step: tyro.conf.Suppress[int] = 0
+    local_batch_size: tyro.conf.Suppress[int] = 0
+    minibatch_size: tyro.conf.Suppress[int] = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Algorithm
+# ---------------------------------------------------------------------------------------------
+
+
+def compute_advantages(rewards: torch.Tensor, group_size: int, std_eps: float = 1e-6) -> torch.Tensor:
+    """Group-relative advantage: (R_i - mean_G R) / (std_G R + eps), with the unbiased std.
+
+    rewards: (B,) with the G completions of each prompt stored contiguously -> advantages (B,).
+    A group whose rewards are all equal gets advantage 0 for every member."""
+    grouped = rewards.view(-1, group_size)  # (B/G, G)
+    mean = grouped.mean(dim=1, keepdim=True)
+    std = grouped.std(dim=1, keepdim=True)  # unbiased (1/(G-1)), as verl and TRL
+    return ((grouped - mean) / (std + std_eps)).view(-1)
+
+
+def divergence_mask(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, divergence: str,
+                    delta: float) -> torch.Tensor:
+    """Which tokens the trust region masks (B, T): those whose binary divergence between pi_old and pi_theta
+    exceeds delta, moved up where the advantage (broadcastable to (B, T)) is positive, down where it is not."""
+    log_p, log_mu = logprobs.double(), old_logprobs.double()  # 1 - p loses digits in float32 near p = 1
+    p, mu = log_p.exp(), log_mu.exp()
+    if divergence == "tv":
+        up, down = p - mu > delta, mu - p > delta
+    else:  # KL(mu || p) of the binary distributions (token, rest); 1 - p kept above 0
+        rest = torch.log1p(-mu.clamp(max=1 - 1e-12)) - torch.log1p(-p.clamp(max=1 - 1e-12))
+        too_far = mu * (log_mu - log_p) + (1 - mu) * rest > delta
+        up, down = too_far & (p > mu), too_far & (p < mu)
+    return torch.where(advantages > 0, up, down)
+
+
+def compute_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: Optional[torch.Tensor],
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    num_sequences: float | torch.Tensor,
+    divergence: str = "tv",
+    delta: float = 0.15,
+    beta: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPPO loss (minimised): -M r A + beta * k3 KL, token-mean per sequence, then summed over sequences and
+    divided by `num_sequences`.
+
+    logprobs, old_logprobs, ref_logprobs, response_mask: (B, T); advantages: (B,).
+    num_sequences: the number of sequences in the whole optimizer step (every micro-batch, every rank),
+    so that micro-batch losses add up to the step's mean; computed once by the caller.
+    ref_logprobs may be None when beta = 0."""
+    ratio = torch.exp(logprobs - old_logprobs)  # (B, T); exactly 1 on the first update of a rollout
+    adv = advantages.unsqueeze(-1)  # (B, 1): one advantage for every token of a completion
+    masked = divergence_mask(logprobs.detach(), old_logprobs, adv, divergence, delta)  # (B, T) bool
+    pg_losses = -adv * ratio * ~masked  # (B, T)
+    if beta > 0:
+        log_ref_ratio = (ref_logprobs - logprobs).clamp(-20, 20)  # log(pi_ref / pi_theta), clamped before exp
+        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # (B, T) k3: unbiased, >= 0, differentiable
+    else:
+        kl = torch.zeros_like(logprobs)
+    token_count = response_mask.sum(-1).clamp(min=1)  # (B,) |o_i|, EOS included
+    seq_loss = ((pg_losses + beta * kl) * response_mask).sum(-1) / token_count  # (B,) token-mean per sequence
+    loss = seq_loss.sum() / num_sequences
+
+    with torch.no_grad():
+        n = response_mask.sum().clamp(min=1)
+        pull = ratio * adv.abs() * response_mask  # (B, T) |d(r A) / d log pi|: each token's gradient, unbounded
+        band = torch.where(adv > 0, ratio > 1 + 0.2, ratio < 1 - 0.2)  # (B, T) where PPO's clip (eps 0.2) would bind
+        metrics = {  # tensors: the caller syncs them with the device once per step
+            "loss/policy": ((pg_losses * response_mask).sum(-1) / token_count).mean(),
+            "loss/kl": ((kl * response_mask).sum(-1) / token_count).mean(),
+            "policy/maskfrac": (masked.float() * response_mask).sum() / n,
+            "policy/gradient_removed": (pull * masked).sum() / pull.sum().clamp(min=1e-12),  # share of sum |r A|
+            "policy/band_clipfrac": (band.float() * response_mask).sum() / n,  # at the same ratios
+            "policy/approx_kl": (((ratio - 1) - torch.log(ratio)) * response_mask).sum() / n,
+        }
+    return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Training
+# ---------------------------------------------------------------------------------------------
+
+
+def main(args: Args) -> None:
+    check_flags(args)  # the shared flags and the per-rank batch sizes, before anything is loaded or written
+    # --- algorithm: DPPO's flags ---
+    require(args.group_size >= 2, "--group-size", args.group_size, ">= 2 (a group advantage needs 2 completions)")
+    args.delta = args.delta if args.delta is not None else {"tv": 0.15, "kl": 0.05}[args.divergence]
+    require(args.delta > 0, "--delta", args.delta, "> 0")
+    require(args.beta >= 0, "--beta", args.beta, ">= 0 (0 skips the reference model)")
+    require(args.std_eps >= 0, "--std-eps", args.std_eps, ">= 0")
+    # ---
+    rank, args.world_size, device = setup_distributed(args.dist_timeout)
+    run_info = {"algorithm": Path(__file__).name, "config": asdict(args)}  # recorded in every checkpoint
+    run_dir, resume_dir = prepare_run_dir(run_info, rank)  # where it writes, and from what it resumes
+    tokenizer, train_set, eval_set, exact, reward_fn, env = load_task(args)  # before any model: bad input fails fast
+
+    # Seeded alike on every rank while loading (new weights, e.g. LoRA's, are the same), then by rank (own samples).
+    torch.manual_seed(args.seed)
+    policy = load_model(args.model, args.dtype, device, tokenizer, gradient_checkpointing=args.gradient_checkpointing)
+    policy = add_lora(policy, args.lora_rank, args.lora_alpha, args.lora_targets)  # as it is with --lora-rank 0
+    if args.fsdp:  # sharded in place; FSDP2 averages gradients over ranks, as DDP does
+        shard_model(policy, device)
+    # --- algorithm: the reference model, the frozen initial policy (not loaded at all when beta = 0) ---
+    ref_policy = load_reference(args, policy, tokenizer, device) if args.beta > 0 else None
+    # ---
+    torch.manual_seed(args.seed + rank)
+    # --- algorithm: what the optimizer trains: the policy ---
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
+                                  fused=True)  # one kernel for all the weights
+    trained = {"policy": policy}  # saved to and restored from checkpoints
+    # ---
+    start_step, state = load_checkpoint(resume_dir, trained, optimizer, rank)  # state: the algorithm's, per rank
+    # What the update calls: DDP averages gradients over ranks (FSDP2 has sharded in place: nothing to wrap).
+    wrapped = {name: DDP(m) if args.world_size > 1 and not args.fsdp else m for name, m in trained.items()}
+    model = wrapped["policy"]
+    # The sampler: model.generate, or a vLLM engine on this rank's device that gets the policy's weights
+    vllm = VllmEngine(args.model, args.dtype, args.seed + rank, optimizer, args.vllm_gpu_memory,
+                      args.vllm_keep_weights) if args.vllm else None
+    claim_run_dir(run_dir, resume_dir, rank)  # created and locked: from here on this run writes there
+    logger = Logger(run_dir, asdict(args), rank, args.track, args.num_steps)
+    print0(f"{args.prompts_per_step} prompts x {args.group_size} completions per step on {args.world_size} rank(s)")
+
+    for step in range(start_step, args.num_steps):
+        step_start, times, metrics = time.perf_counter(), {}, {}
+        if args.eval_every and step % args.eval_every == 0:
+            metrics = evaluate(policy, tokenizer, eval_set, args.chat_template, exact, args.max_new_tokens, args.seed,
+                               vllm=vllm, env=env)
+
+        # --- algorithm: 1-3. one group of G completions for each of the step's prompts, scored ---
+        batch = prompt_batch(train_set, step, args.prompts_per_step, rank, args.world_size, args.seed)  # this rank's
+        prompts = [format_prompt(tokenizer, e["prompt"], args.chat_template) for e in batch]
+        with timed(times, "gen"):  # stored contiguously by group: rows j*G .. j*G+G-1
+            rollout = generate(policy, tokenizer, prompts, args.group_size, args.max_new_tokens, args.temperature,
+                               vllm=vllm, env=env, rows=batch)
+        rewards, components = score(batch, rollout.texts, args.group_size, exact, args.format_weight, reward_fn,
+                                    args.reward_fn, rollout.env_return)
+        b_rollout = rollout  # the batch to train on: here every completion sampled
+
+        # 4. advantages: each reward standardised within its group
+        b_advantages = compute_advantages(rewards, args.group_size, args.std_eps).to(device)  # (B,)
+        # ---
+        b_ids, b_attention_mask = b_rollout.input_ids, b_rollout.attention_mask  # (B, P+T)
+        b_response_mask = b_rollout.response_mask  # (B, T): 1 on the response tokens, EOS included
+
+        # 5. old log-probs by the training model (the ratio starts at 1); with one step per pass, pass 1 gives them
+        # --- algorithm: nothing needs the old log-probs before the update ---
+        old_in_pass_1 = args.num_minibatches == 1
+        # ---
+        with timed(times, "logprobs"):
+            b_old_logprobs = (torch.zeros_like(b_response_mask) if old_in_pass_1  # (B, T), filled in by pass 1
+                              else rollout_logprobs(model, b_rollout, args.temperature, args.micro_batch_size))
+            # --- algorithm: the reference model's log-probs, for the KL penalty ---
+            b_ref_logprobs = None
+            if ref_policy is not None:
+                b_ref_logprobs = rollout_logprobs(ref_policy, b_rollout, args.temperature, args.micro_batch_size)
+            # ---
+
+        # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
+        update_start, update_metrics = time.perf_counter(), []
+        minibatch_size = max(1, -(-len(b_ids) // args.num_minibatches))  # ceil: a batch of any size splits
+        for epoch in range(args.updates_per_rollout):
+            # --- algorithm: the minibatches: a fresh shuffle of the sequences each pass ---
+            b_order = torch.randperm(len(b_ids), device=device)
+            # ---
+            for start in range(0, len(b_ids), minibatch_size):  # none when the batch is empty
+                mb_idx = b_order[start : start + minibatch_size].sort().values  # sorted: a group's rows together
+                # --- algorithm: the loss is a mean over the optimizer step's sequences, on every rank ---
+                num_sequences = all_reduce((b_response_mask[mb_idx].sum(-1) > 0).sum()) / args.world_size
+                # ---
+                micro_batches = mb_idx.split(args.micro_batch_size)  # a prompt runs once per micro-batch
+                for k, idx in enumerate(micro_batches):
+                    # Gradients are synced over ranks once per optimizer step, on the last micro-batch.
+                    with no_sync(wrapped.values(), last=k == len(micro_batches) - 1):
+                        logprobs, entropy = get_logprobs(model, b_ids[idx], b_attention_mask[idx],
+                                                         b_rollout.prompt_length, args.temperature)
+                        b_old_logprobs[idx] = logprobs.detach() if old_in_pass_1 and epoch == 0 else b_old_logprobs[idx]
+                        # The rollout correction: each token's loss weighted by pi_old / pi_sampler (None: off)
+                        weights = rollout_weights(b_old_logprobs[idx], b_rollout.sampler_logprobs[idx],
+                                                  b_response_mask[idx], args.rollout_correction, args.correction_cap)
+                        logprobs = reweighted(logprobs, weights)
+                        # --- algorithm: the DPPO loss ---
+                        loss, mb_metrics = compute_loss(
+                            logprobs, b_old_logprobs[idx], None if b_ref_logprobs is None else b_ref_logprobs[idx],
+                            b_advantages[idx], b_response_mask[idx], num_sequences, args.divergence, args.delta,
+                            args.beta)
+                        # ---
+                        loss.backward()
+                    mb_metrics["policy/entropy"] = masked_mean(entropy, b_response_mask[idx])
+                    update_metrics.append(mb_metrics)
+                grad_norm = clip_grad_norm(policy.parameters(), args.max_grad_norm, step, run_dir)  # or stops the run
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                update_metrics.append({"policy/grad_norm": grad_norm})
+        times["update"] = time.perf_counter() - update_start
+
+        # --- algorithm: the sampler guard, on the completions this policy sampled ---
+        # Were they drawn from the distribution the loss assumes? (the gap is ~1e-6 in fp32)
+        metrics.update(sampler_logprob_gap(b_rollout.sampler_logprobs, b_old_logprobs, b_rollout.response_mask,
+                                           args.rollout_correction, args.correction_cap))
+        # ---
+
+        # 7. log, evaluate, checkpoint
+        metrics.update(mean_metrics(update_metrics))
+        logger.log(step, {**metrics, **step_metrics(rewards, components, rollout, times, step_start)})
+        if args.save_every and (step + 1) % args.save_every == 0:
+            save_checkpoint(run_dir / f"step_{step + 1}", trained, tokenizer, rank, run_info, optimizer, step + 1,
+                            state, args.keep_checkpoints)
+
+    if args.eval_every:
+        logger.log(args.num_steps, evaluate(policy, tokenizer, eval_set, args.chat_template, exact,
+                                            args.max_new_tokens, args.seed, vllm=vllm, env=env))
+    save_checkpoint(run_dir / "final", trained, tokenizer, rank, run_info, step=args.num_steps)
+    print0(f"done: {run_dir / 'final'}")
+    logger.close()
+
+
+if __name__ == "__main__":
+    try:
+        main(cli(Args))
+    except (UsageError, OSError) as error:  # bad input, or what the OS refused (a full disk): one line, no traceback
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    cleanup_distributed()  # after main has returned (its DDP wrappers freed): the ranks end together

@@ -1,0 +1,449 @@
+"""SAPO: Soft Adaptive Policy Optimization, a smooth gate on the ratio instead of PPO's hard band.
+
+GRPO's clip gives a token the whole policy gradient while its ratio r = pi_theta / pi_old is inside
+[1 - eps, 1 + eps] and none once it leaves on the side its advantage pushes: a hard edge, where one
+step more silences the token. SAPO replaces the band with a smooth gate: each token's objective is
+f(r) * A with f(r) = (4 / tau) sigmoid(tau (r - 1)), whose slope, the weight of the token's gradient,
+is 1 at r = 1 (the first update is GRPO's) and decays smoothly as r moves away in either direction.
+Negative advantages get a larger temperature (tau_neg > tau_pos), so their gradients fade sooner:
+pushing down a token spreads probability over the whole vocabulary and is the less stable move.
+
+Paper: Gao et al., "Soft Adaptive Policy Optimization", arXiv:2511.20347 (2025): the gated objective,
+tau_pos = 1.0 and tau_neg = 1.05 (the values of the paper's experiments, and TRL's and verl's defaults).
+
+Objective (maximised; A_i = (R_i - mean R) / (std R + eps) as in GRPO):
+    J = 1/G sum_i 1/|o_i| sum_t f_it(r_it) A_i,   f_it(x) = (4 / tau_it) sigmoid(tau_it (x - 1))
+    tau_it = tau_pos if A_i > 0 else tau_neg
+    gradient per token: w_it r_it A_i grad log pi_theta(o_it),  w_it = 4 s (1 - s), s = sigmoid(tau_it (r_it - 1))
+    (GRPO: min(r A, clip(r, 1-eps, 1+eps) A): w = 1 inside the band, 0 where the clip binds)
+
+TRL (loss_type="sapo", sapo_temperature_pos / _neg) and verl (policy_loss.loss_mode=sapo, tau_pos / tau_neg)
+compute this loss as written, the gate differentiated through, averaged per completion then over
+completions ("seq-mean-token-mean"; verl forces that mode whatever loss_agg_mode says). verl clamps the
+log-ratio to [-20, 20] before exp, TRL does not, nor does this file (at |log r| = 20 the gate's slope is
+~1e-8 already). A zero advantage takes tau_neg in all three (it adds nothing either way).
+
+Differences from sapo.py:
+- Loss: the gated term f(r) * A per token instead of the clipped surrogate; no token loses all its gradient.
+- --tau-pos 1.0 and --tau-neg 1.05 instead of --clip-eps.
+- --beta defaults to 0 (the paper's: no KL term, no reference model); a positive value adds GRPO's k3 term.
+- Metrics: the mean gate weight w and the share of the policy gradient the gate removes, instead of clip fractions.
+
+Run:
+    python sapo.py                                          # offline default: tiny model, a+b task, CPU
+    torchrun --standalone --nproc_per_node=2 sapo.py        # data-parallel (gloo on CPU, nccl on GPU)
+    torchrun --standalone --nproc_per_node=8 sapo.py --model Qwen/Qwen2.5-0.5B-Instruct \\
+        --dataset train.jsonl --max-new-tokens 512 --learning-rate 1e-6 --micro-batch-size 16
+"""
+
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+import tyro
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from common import (
+    Logger,
+    UsageError,
+    VllmEngine,
+    add_lora,
+    all_reduce,
+    check_flags,
+    claim_run_dir,
+    cleanup_distributed,
+    cli,
+    clip_grad_norm,
+    evaluate,
+    format_prompt,
+    generate,
+    get_logprobs,
+    load_checkpoint,
+    load_model,
+    load_reference,
+    load_task,
+    masked_mean,
+    mean_metrics,
+    no_sync,
+    prepare_run_dir,
+    print0,
+    prompt_batch,
+    require,
+    reweighted,
+    rollout_logprobs,
+    rollout_weights,
+    sampler_logprob_gap,
+    save_checkpoint,
+    score,
+    setup_distributed,
+    shard_model,
+    step_metrics,
+    timed,
+)
+
+# ---------------------------------------------------------------------------------------------
+# 1. Config
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ExperimentFlags:
+    seed: int = 1
+    """seed of the data order, the sampling and evaluation"""
+    run_name: Optional[str] = None
+    """metrics and checkpoints go to <output-dir>/<run-name>; left out: <file>__<seed>__<unix time>__<pid>"""
+    output_dir: str = "runs"
+    """folder of all runs"""
+    track: bool = False
+    """log to Weights & Biases (pip install wandb)"""
+    eval_every: int = 20
+    """evaluate on the held-out split every N steps, and at the end (0: never)"""
+    save_every: int = 0
+    """save a resumable checkpoint (weights, optimizer, RNG, step) every N steps (0: only the final weights)"""
+    keep_checkpoints: int = 0
+    """keep only the newest N step checkpoints, removing older ones after each save (0: keep all)"""
+    resume: Optional[str] = None
+    """continue from a checkpoint folder <run>/step_N (in <run>, or in --run-name's folder when given), or
+    'latest' for the newest checkpoint of --run-name's run"""
+
+
+@dataclass
+class ModelAndDataFlags:
+    model: Optional[str] = None
+    """Hugging Face model name or local folder; left out: the bundled tiny model of --task"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """weights dtype; auto = float32 on CPU, bfloat16 on GPU (log-probs are always computed in float32)"""
+    dataset: Optional[str] = None
+    """training data: a JSONL file, a Hugging Face dataset name, or a JSON/Parquet/CSV file or dataset folder
+    (needs `pip install datasets`); left out: the built-in --task"""
+    task: Optional[Literal["add", "chain", "guess"]] = None
+    """built-in task, without --dataset: add (a+b, answered with the digits), chain (sums of 2-6 numbers,
+    partial sums then '#### total': the lab, docs/lab.md) or guess (find a number from 0 to 99 over turns,
+    told 'higher' or 'lower': multi-turn); left out: add"""
+    dataset_config: Optional[str] = None
+    """configuration of --dataset (e.g. 'main' for openai/gsm8k)"""
+    split: str = "train"
+    """split of --dataset to train on"""
+    eval_dataset: Optional[str] = None
+    """held-out data, in the same forms; left out: --eval-split of --dataset, else its last --eval-size rows"""
+    eval_split: Optional[str] = None
+    """split of the held-out data; left out: 'test' for --eval-dataset (or its only split)"""
+    eval_size: int = 500
+    """held-out prompts taken from the built-in task or --dataset when there is no --eval-dataset or --eval-split"""
+    prompt_field: str = "prompt"
+    """the rows' prompt field (e.g. 'question' for openai/gsm8k, 'problem' for MATH)"""
+    answer_field: str = "answer"
+    """the rows' gold-answer field; a final \\boxed{} or GSM8K's '#### 72' in it is found"""
+    chat_template: bool = True
+    """wrap prompts in the tokenizer's chat template, when it has one"""
+    format_weight: float = 0.0
+    """weight of the format reward (answer as a bare number / in \\boxed{}) added to correctness"""
+    reward_fn: Optional[str] = None
+    """extra reward 'module:function' or 'file.py:function', called as fn(prompts, completions, answers)"""
+    env: Optional[str] = None
+    """multi-turn environment 'file.py:Class' or 'module:Class', one per episode, made from its dataset row; it
+    answers each turn and gives the rewards (docs/environments.md)"""
+
+
+@dataclass
+class RolloutFlags:
+    num_steps: int = 200
+    """training steps; each samples one rollout and takes updates-per-rollout x num-minibatches optimizer steps"""
+    prompts_per_step: int = 32
+    """prompts per rollout, over all ranks"""
+    group_size: int = 8
+    """G: completions sampled per prompt"""
+    max_prompt_length: Optional[int] = None
+    """drop prompts longer than this many tokens after the chat template; left out: only those that leave
+    no room for --max-new-tokens in the model's positions are dropped"""
+    max_new_tokens: Optional[int] = None
+    """tokens after the prompt: the completion's, or with --max-turns > 1 the episode's (the policy's turns and
+    the observations); one that reaches it without EOS is 'truncated'; left out: 64 for --task chain, 192 for
+    guess, else 8"""
+    max_turns: Optional[int] = None
+    """the policy's turns per episode, each answered by the environment (--env); an episode that has not ended
+    after them is 'truncated'; left out: 7 for --task guess, else 1"""
+    temperature: float = 1.0
+    """sampling temperature; log-probs divide the logits by it too"""
+    vllm: bool = False
+    """sample rollouts and evaluations with a vLLM engine beside the policy on each rank's device, which gets the
+    policy's weights after each change (pip install -r requirements-vllm.txt, in an environment of its own)"""
+    vllm_gpu_memory: float = 0.3
+    """fraction of the GPU's memory the vLLM engine takes for its weights and KV cache (--vllm on a GPU)"""
+    vllm_keep_weights: bool = True
+    """the vLLM engine keeps its weights on the GPU between calls, freeing only its KV cache for the update;
+    --no-vllm-keep-weights frees them too (memory for a larger update, a push before every call)"""
+    rollout_correction: Literal["auto", "none", "tis", "mis", "seq-tis", "seq-mis", "geo-mis"] = "auto"
+    """weight each token's loss by w = pi_old / pi_sampler, truncated at --correction-cap (tis), or keep only
+    the tokens with w in [1/cap, cap] (mis); seq-tis, seq-mis: the same with the completion's ratio prod_t w_t on
+    each of its tokens; geo-mis: seq-mis with the geometric mean of w; auto: tis with --vllm, else none"""
+    correction_cap: float = 2.0
+    """C of --rollout-correction"""
+
+
+@dataclass
+class OptimizationFlags:
+    learning_rate: float = 2e-4
+    """tuned for the tiny default model; 1e-6 is the paper's value for 7B models"""
+    updates_per_rollout: int = 2
+    """mu: passes over each rollout (1 makes the ratio exactly 1 and clipping inactive)"""
+    num_minibatches: int = 1
+    """optimizer steps per pass over the rollout"""
+    micro_batch_size: Optional[int] = None
+    """sequences per forward/backward on each rank, accumulated up to the minibatch; left out: the whole minibatch"""
+    fsdp: bool = False
+    """shard weights, gradients and optimizer state over the ranks (FSDP2; bf16 compute on GPU) instead of DDP"""
+    dist_timeout: float = 60.0
+    """minutes a rank waits for the others at a collective before the run stops (a step's generation and
+    scoring must fit in it)"""
+    gradient_checkpointing: bool = False
+    """recompute each layer's activations in the backward pass: less activation memory, ~1/3 more compute"""
+    lora_rank: int = 0
+    """train LoRA adapters of this rank instead of the whole model (pip install peft; the reference model is
+    then the policy with its adapters off, no copy); 0: full fine-tuning"""
+    lora_alpha: float = 16.0
+    """the adapters' scale is lora-alpha / lora-rank (their dropout is 0: the trained distribution must be the
+    sampled one)"""
+    lora_targets: str = "all-linear"
+    """modules that get adapters: all-linear (every linear layer of the transformer blocks) or names, q_proj,v_proj"""
+    max_grad_norm: float = 1.0
+    """gradient clipping (verl and the DAPO script use 1.0)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+
+
+@dataclass
+class AlgorithmFlags:
+    tau_pos: float = 1.0
+    """temperature of the gate where the advantage is positive (paper: 1.0); larger: the gradient fades sooner"""
+    tau_neg: float = 1.05
+    """temperature of the gate where the advantage is zero or negative (paper: 1.05)"""
+    beta: float = 0.0
+    """weight of GRPO's k3 KL penalty to the reference model (paper: 0, no KL); 0 skips the reference model"""
+    std_eps: float = 1e-6
+    """added to the group std before dividing (verl's value)"""
+
+
+@dataclass
+class Args(AlgorithmFlags, OptimizationFlags, RolloutFlags, ModelAndDataFlags, ExperimentFlags):
+    """Every flag, flat (args.seed, args.beta, ...); `--help` shows them in the groups above."""
+
+    # Computed at runtime
+    world_size: tyro.conf.Suppress[int] = 1
+    local_prompts_per_step: tyro.conf.Suppress[int] = 0
+    local_batch_size: tyro.conf.Suppress[int] = 0
+    minibatch_size: tyro.conf.Suppress[int] = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Algorithm
+# ---------------------------------------------------------------------------------------------
+
+
+def compute_advantages(rewards: torch.Tensor, group_size: int, std_eps: float = 1e-6) -> torch.Tensor:
+    """Group-relative advantage: (R_i - mean_G R) / (std_G R + eps), with the unbiased std.
+
+    rewards: (B,) with the G completions of each prompt stored contiguously -> advantages (B,).
+    A group whose rewards are all equal gets advantage 0 for every member."""
+    grouped = rewards.view(-1, group_size)  # (B/G, G)
+    mean = grouped.mean(dim=1, keepdim=True)
+    std = grouped.std(dim=1, keepdim=True)  # unbiased (1/(G-1)), as verl and TRL
+    return ((grouped - mean) / (std + std_eps)).view(-1)
+
+
+def compute_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: Optional[torch.Tensor],
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    num_sequences: float | torch.Tensor,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    beta: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAPO loss (minimised): the gated term -f(r) * A + beta * k3 KL, token-mean per sequence, then summed over
+    sequences and divided by `num_sequences`.
+
+    logprobs, old_logprobs, ref_logprobs, response_mask: (B, T); advantages: (B,).
+    num_sequences: the number of sequences in the whole optimizer step (every micro-batch, every rank),
+    so that micro-batch losses add up to the step's mean; computed once by the caller.
+    ref_logprobs may be None when beta = 0."""
+    ratio = torch.exp(logprobs - old_logprobs)  # (B, T); exactly 1 on the first update of a rollout
+    adv = advantages.unsqueeze(-1)  # (B, 1): one advantage for every token of a completion
+    tau = torch.where(adv > 0, tau_pos, tau_neg)  # (B, 1)
+    gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau  # (B, T) f(r): slope 1 at r = 1, flat far from it
+    pg_losses = -gate * adv  # (B, T)
+    if beta > 0:
+        log_ref_ratio = (ref_logprobs - logprobs).clamp(-20, 20)  # log(pi_ref / pi_theta), clamped before exp
+        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # (B, T) k3: unbiased, >= 0, differentiable
+    else:
+        kl = torch.zeros_like(logprobs)
+    token_count = response_mask.sum(-1).clamp(min=1)  # (B,) |o_i|, EOS included
+    seq_loss = ((pg_losses + beta * kl) * response_mask).sum(-1) / token_count  # (B,) token-mean per sequence
+    loss = seq_loss.sum() / num_sequences
+
+    with torch.no_grad():
+        n = response_mask.sum().clamp(min=1)
+        s = torch.sigmoid(tau * (ratio - 1))
+        weight = 4 * s * (1 - s)  # (B, T) w = f'(r): the share of the token's policy gradient the gate keeps
+        pull = ratio * adv.abs() * response_mask  # (B, T) |d(r A) / d log pi|: each token's gradient, unbounded
+        metrics = {  # tensors: the caller syncs them with the device once per step
+            "loss/policy": ((pg_losses * response_mask).sum(-1) / token_count).mean(),
+            "loss/kl": ((kl * response_mask).sum(-1) / token_count).mean(),
+            "policy/gate_weight": (weight * response_mask).sum() / n,  # 1 on-policy
+            "policy/gradient_removed": (pull * (1 - weight)).sum() / pull.sum().clamp(min=1e-12),  # share of sum |r A|
+            "policy/approx_kl": (((ratio - 1) - torch.log(ratio)) * response_mask).sum() / n,
+        }
+    return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Training
+# ---------------------------------------------------------------------------------------------
+
+
+def main(args: Args) -> None:
+    check_flags(args)  # the shared flags and the per-rank batch sizes, before anything is loaded or written
+    # --- algorithm: SAPO's flags ---
+    require(args.group_size >= 2, "--group-size", args.group_size, ">= 2 (a group advantage needs 2 completions)")
+    require(args.tau_pos > 0, "--tau-pos", args.tau_pos, "> 0")
+    require(args.tau_neg > 0, "--tau-neg", args.tau_neg, "> 0")
+    require(args.beta >= 0, "--beta", args.beta, ">= 0 (0 skips the reference model)")
+    require(args.std_eps >= 0, "--std-eps", args.std_eps, ">= 0")
+    # ---
+    rank, args.world_size, device = setup_distributed(args.dist_timeout)
+    run_info = {"algorithm": Path(__file__).name, "config": asdict(args)}  # recorded in every checkpoint
+    run_dir, resume_dir = prepare_run_dir(run_info, rank)  # where it writes, and from what it resumes
+    tokenizer, train_set, eval_set, exact, reward_fn, env = load_task(args)  # before any model: bad input fails fast
+
+    # Seeded alike on every rank while loading (new weights, e.g. LoRA's, are the same), then by rank (own samples).
+    torch.manual_seed(args.seed)
+    policy = load_model(args.model, args.dtype, device, tokenizer, gradient_checkpointing=args.gradient_checkpointing)
+    policy = add_lora(policy, args.lora_rank, args.lora_alpha, args.lora_targets)  # as it is with --lora-rank 0
+    if args.fsdp:  # sharded in place; FSDP2 averages gradients over ranks, as DDP does
+        shard_model(policy, device)
+    # --- algorithm: the reference model, the frozen initial policy (not loaded at all when beta = 0) ---
+    ref_policy = load_reference(args, policy, tokenizer, device) if args.beta > 0 else None
+    # ---
+    torch.manual_seed(args.seed + rank)
+    # --- algorithm: what the optimizer trains: the policy ---
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
+                                  fused=True)  # one kernel for all the weights
+    trained = {"policy": policy}  # saved to and restored from checkpoints
+    # ---
+    start_step, state = load_checkpoint(resume_dir, trained, optimizer, rank)  # state: the algorithm's, per rank
+    # What the update calls: DDP averages gradients over ranks (FSDP2 has sharded in place: nothing to wrap).
+    wrapped = {name: DDP(m) if args.world_size > 1 and not args.fsdp else m for name, m in trained.items()}
+    model = wrapped["policy"]
+    # The sampler: model.generate, or a vLLM engine on this rank's device that gets the policy's weights
+    vllm = VllmEngine(args.model, args.dtype, args.seed + rank, optimizer, args.vllm_gpu_memory,
+                      args.vllm_keep_weights) if args.vllm else None
+    claim_run_dir(run_dir, resume_dir, rank)  # created and locked: from here on this run writes there
+    logger = Logger(run_dir, asdict(args), rank, args.track, args.num_steps)
+    print0(f"{args.prompts_per_step} prompts x {args.group_size} completions per step on {args.world_size} rank(s)")
+
+    for step in range(start_step, args.num_steps):
+        step_start, times, metrics = time.perf_counter(), {}, {}
+        if args.eval_every and step % args.eval_every == 0:
+            metrics = evaluate(policy, tokenizer, eval_set, args.chat_template, exact, args.max_new_tokens, args.seed,
+                               vllm=vllm, env=env)
+
+        # --- algorithm: 1-3. one group of G completions for each of the step's prompts, scored ---
+        batch = prompt_batch(train_set, step, args.prompts_per_step, rank, args.world_size, args.seed)  # this rank's
+        prompts = [format_prompt(tokenizer, e["prompt"], args.chat_template) for e in batch]
+        with timed(times, "gen"):  # stored contiguously by group: rows j*G .. j*G+G-1
+            rollout = generate(policy, tokenizer, prompts, args.group_size, args.max_new_tokens, args.temperature,
+                               vllm=vllm, env=env, rows=batch)
+        rewards, components = score(batch, rollout.texts, args.group_size, exact, args.format_weight, reward_fn,
+                                    args.reward_fn, rollout.env_return)
+        b_rollout = rollout  # the batch to train on: here every completion sampled
+
+        # 4. advantages: each reward standardised within its group
+        b_advantages = compute_advantages(rewards, args.group_size, args.std_eps).to(device)  # (B,)
+        # ---
+        b_ids, b_attention_mask = b_rollout.input_ids, b_rollout.attention_mask  # (B, P+T)
+        b_response_mask = b_rollout.response_mask  # (B, T): 1 on the response tokens, EOS included
+
+        # 5. old log-probs by the training model (the ratio starts at 1); with one step per pass, pass 1 gives them
+        # --- algorithm: nothing needs the old log-probs before the update ---
+        old_in_pass_1 = args.num_minibatches == 1
+        # ---
+        with timed(times, "logprobs"):
+            b_old_logprobs = (torch.zeros_like(b_response_mask) if old_in_pass_1  # (B, T), filled in by pass 1
+                              else rollout_logprobs(model, b_rollout, args.temperature, args.micro_batch_size))
+            # --- algorithm: the reference model's log-probs, for the KL penalty ---
+            b_ref_logprobs = None
+            if ref_policy is not None:
+                b_ref_logprobs = rollout_logprobs(ref_policy, b_rollout, args.temperature, args.micro_batch_size)
+            # ---
+
+        # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
+        update_start, update_metrics = time.perf_counter(), []
+        minibatch_size = max(1, -(-len(b_ids) // args.num_minibatches))  # ceil: a batch of any size splits
+        for epoch in range(args.updates_per_rollout):
+            # --- algorithm: the minibatches: a fresh shuffle of the sequences each pass ---
+            b_order = torch.randperm(len(b_ids), device=device)
+            # ---
+            for start in range(0, len(b_ids), minibatch_size):  # none when the batch is empty
+                mb_idx = b_order[start : start + minibatch_size].sort().values  # sorted: a group's rows together
+                # --- algorithm: the loss is a mean over the optimizer step's sequences, on every rank ---
+                num_sequences = all_reduce((b_response_mask[mb_idx].sum(-1) > 0).sum()) / args.world_size
+                # ---
+                micro_batches = mb_idx.split(args.micro_batch_size)  # a prompt runs once per micro-batch
+                for k, idx in enumerate(micro_batches):
+                    # Gradients are synced over ranks once per optimizer step, on the last micro-batch.
+                    with no_sync(wrapped.values(), last=k == len(micro_batches) - 1):
+                        logprobs, entropy = get_logprobs(model, b_ids[idx], b_attention_mask[idx],
+                                                         b_rollout.prompt_length, args.temperature)
+                        b_old_logprobs[idx] = logprobs.detach() if old_in_pass_1 and epoch == 0 else b_old_logprobs[idx]
+                        # The rollout correction: each token's loss weighted by pi_old / pi_sampler (None: off)
+                        weights = rollout_weights(b_old_logprobs[idx], b_rollout.sampler_logprobs[idx],
+                                                  b_response_mask[idx], args.rollout_correction, args.correction_cap)
+                        logprobs = reweighted(logprobs, weights)
+                        # --- algorithm: the SAPO loss ---
+                        loss, mb_metrics = compute_loss(
+                            logprobs, b_old_logprobs[idx], None if b_ref_logprobs is None else b_ref_logprobs[idx],
+                            b_advantages[idx], b_response_mask[idx], num_sequences, args.tau_pos, args.tau_neg,
+                            args.beta)
+                        # ---
+                        loss.backward()
+                    mb_metrics["policy/entropy"] = masked_mean(entropy, b_response_mask[idx])
+                    update_metrics.append(mb_metrics)
+                grad_norm = clip_grad_norm(policy.parameters(), args.max_grad_norm, step, run_dir)  # or stops the run
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                update_metrics.append({"policy/grad_norm": grad_norm})
+        times["update"] = time.perf_counter() - update_start
+
+        # --- algorithm: the sampler guard, on the completions this policy sampled ---
+        # Were they drawn from the distribution the loss assumes? (the gap is ~1e-6 in fp32)
+        metrics.update(sampler_logprob_gap(b_rollout.sampler_logprobs, b_old_logprobs, b_rollout.response_mask,
+                                           args.rollout_correction, args.correction_cap))
+        # ---
+
+        # 7. log, evaluate, checkpoint
+        metrics.update(mean_metrics(update_metrics))
+        logger.log(step, {**metrics, **step_metrics(rewards, components, rollout, times, step_start)})
+        if args.save_every and (step + 1) % args.save_every == 0:
+            save_checkpoint(run_dir / f"step_{step + 1}", trained, tokenizer, rank, run_info, optimizer, step + 1,
+                            state, args.keep_checkpoints)
+
+    if args.eval_every:
+        logger.log(args.num_steps, evaluate(policy, tokenizer, eval_set, args.chat_template, exact,
+                                            args.max_new_tokens, args.seed, vllm=vllm, env=env))
+    save_checkpoint(run_dir / "final", trained, tokenizer, rank, run_info, step=args.num_steps)
+    print0(f"done: {run_dir / 'final'}")
+    logger.close()
+
+
+if __name__ == "__main__":
+    try:
+        main(cli(Args))
+    except (UsageError, OSError) as error:  # bad input, or what the OS refused (a full disk): one line, no traceback
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    cleanup_distributed()  # after main has returned (its DDP wrappers freed): the ranks end together
