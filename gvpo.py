@@ -461,7 +461,7 @@ def main(args: Args) -> None:
                 optimizer.zero_grad(set_to_none=True)
                 update_metrics.append({"policy/grad_norm": grad_norm})
         times["update"] = time.perf_counter() - update_start
-        # --- algorithm: this step's groups, kept for the next --reuse-steps steps with their weights ---
+        # --- algorithm: this step's groups, kept for the next --reuse-steps steps; --target-kl's next beta ---
         L = rollout.response_mask.shape[1]
         kept = rollout_weights(b_old_logprobs[:n, :L], rollout.sampler_logprobs, rollout.response_mask,
                                args.rollout_correction, args.correction_cap)

@@ -274,7 +274,7 @@ def compute_loss(
     ref_logprobs may be None when beta = 0."""
     ratio = torch.exp(logprobs - old_logprobs)  # (B, T); exactly 1 on the first update of a rollout
     adv = advantages.unsqueeze(-1)  # (B, 1): one advantage for every token of a completion
-    tau = torch.where(adv > 0, tau_pos, tau_neg)  # (B, 1)
+    tau = torch.where(adv > 0, adv.new_tensor(tau_pos), adv.new_tensor(tau_neg))  # (B, 1), in the advantages' dtype
     gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau  # (B, T) f(r): slope 1 at r = 1, flat far from it
     pg_losses = -gate * adv  # (B, T)
     if beta > 0:

@@ -36,6 +36,8 @@ def test_gated_loss_and_gradient_hand_worked():
     adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
     loss, metrics = sapo.compute_loss(logprobs, old, None, adv, mask, 2)
     assert loss.item() == pytest.approx(-0.4144902, abs=1e-7)
+    sigmoid = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731 the same, exactly, from the formula
+    assert loss.item() == pytest.approx((-(4 * sigmoid(0.5) + 2) / 2 + 4 / 1.05 * sigmoid(-0.525)) / 2, abs=1e-15)
     loss.backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([[-0.3525056, -0.25], [0.2335350, 0.0]],
                                                            dtype=torch.float64), atol=1e-7, rtol=0)
@@ -75,7 +77,8 @@ def peers_sapo_loss(logprobs, old_logprobs, advantages, mask, tau_pos=1.0, tau_n
     clamped to [-20, 20], with loss_agg_mode seq-mean-token-mean), written out."""
     ratio = torch.exp((logprobs - old_logprobs).clamp(-20, 20))
     adv = advantages.unsqueeze(-1)
-    temperatures = torch.where(adv > 0, tau_pos, tau_neg)
+    # (in float64 here: torch.where of two Python floats is float32, where 1.05 is 1.0499999523)
+    temperatures = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
     per_token_loss = -torch.sigmoid(temperatures * (ratio - 1)) * 4 / temperatures * adv
     return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
 
