@@ -39,10 +39,11 @@ import tyro
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ["grpo", "dapo", "cispo", "gvpo", "ppo", "drgrpo", "gspo", "rloo", "sapo", "dppo"]
-# The lab's variants (docs/lab.md): DAPO without clip-higher or overlong shaping, GVPO off-policy or with adapted beta
+# The lab's variants (docs/lab.md says what each one probes)
 LAB_CONFIGS = {"chain": ["dapo --clip-eps-high 0.2", "dapo --overlong-buffer 0", "gvpo --reuse-steps 1 "
                          "--updates-per-rollout 1", "gvpo --demos-per-group 2"],
-               "stress": ["dapo --clip-eps-high 0.2", "gvpo --target-kl 1"]}
+               "stress": ["dapo --clip-eps-high 0.2", "gvpo --target-kl 1", "grpo --beta 0", "sapo --beta 0.04",
+                          "sapo --tau-pos 10 --tau-neg 10.5"]}
 # steps, target held-out accuracy, flags (the chain task starts at ~0.27: 0.4 is ~5 evaluation standard errors above)
 CHAIN, GUESS = ["--task", "chain", "--prompts-per-step", "16"], ["--task", "guess", "--prompts-per-step", "8"]
 TASKS = {"add": (200, 0.7, []), "chain": (60, 0.4, CHAIN), "guess": (12, 0.5, GUESS + ["--eval-size", "100"]),
@@ -131,15 +132,14 @@ def summarize(rows: list[dict], target: float) -> list[dict]:
         hits = [next((row for row in r if row["eval_accuracy"] >= target), None) for r in seeds.values()]
         reached = [h for h in hits if h is not None]
 
-        def at_target(key: str, fmt: str) -> str:
-            return format(statistics.mean(h[key] for h in reached), fmt) if reached else "-"
+        def at_target(key: str) -> str:
+            return f"{statistics.mean(h[key] for h in reached):.0f}" if reached else "-"
 
         table.append({"config": config, "seeds": len(seeds), "steps": finals[0]["step"],
                       "final": mean_std([f["eval_accuracy"] for f in finals]),
                       "final_greedy": mean_std([f["eval_accuracy_greedy"] for f in finals]),
-                      "reached": f"{len(reached)}/{len(seeds)}", "steps_to_target": at_target("step", ".0f"),
-                      "wall_to_target": at_target("wall_s", ".0f"),
-                      "completions_to_target": at_target("completions", ".0f"),
+                      "reached": f"{len(reached)}/{len(seeds)}", "steps_to_target": at_target("step"),
+                      "wall_to_target": at_target("wall_s"), "completions_to_target": at_target("completions"),
                       "train_s": f"{statistics.mean(f['wall_s'] for f in finals):.0f}"})
     return table
 
