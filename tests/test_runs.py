@@ -302,8 +302,8 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monk
 # 20 steps, a rise of 0.15-0.18. gvpo 0.426 / 0.470 / 0.550 / 0.570 and rloo 0.472 / 0.486 / 0.490 / 0.572
 # (their advantages are not divided by the group's std: smaller steps): 50 steps, +0.18 and +0.19. Measured
 # (2026-12-06, the same way) at steps 10 / 20 / 30 / 40 / 50: dppo 0.500 / 0.524 / 0.556 / 0.588 / 0.632: 30 steps,
-# +0.17; sapo 0.484 / 0.478 / 0.532 / 0.526 / 0.586 (over 200 steps it ends level with grpo: docs/benchmarks.md):
-# 50 steps, +0.20.
+# +0.17; sapo 0.484 / 0.478 / 0.532 / 0.526 / 0.586 (the slowest of the clipped-or-gated files over 200 steps too:
+# docs/benchmarks.md): 50 steps, +0.20.
 STEPS = {"grpo": 20, "dapo": 20, "cispo": 20, "drgrpo": 20, "gspo": 20, "ppo": 20, "gvpo": 50, "rloo": 50, "dppo": 30,
          "sapo": 50}
 REUSE = ("gvpo", ["--reuse-steps", "1", "--updates-per-rollout", "1"], 100)
