@@ -10,7 +10,7 @@ between the old and new distributions at each position instead, from the sampled
 A token is masked (no gradient) when its move has gone past delta in the direction its advantage pushes
 (up for A > 0, down for A < 0), as PPO's clip binds only on that side. So the bound on the ratio adapts
 to the token: |r - 1| <= delta / mu under TV.
-    mu 0.001 -> p 0.003:  r = 3,    TV 0.002: kept (PPO's band would clip it)
+    mu 0.001 -> p 0.003:  r = 3,    TV 0.002: kept (PPO's band would clip it for A > 0)
     mu 0.5   -> p 0.9:    r = 1.8,  TV 0.4:   masked for A > 0 (PPO's band too)
     mu 0.99  -> p 0.80:   r = 0.81, TV 0.19:  masked for A < 0 (PPO's band with eps 0.2 would not)
 
@@ -26,10 +26,10 @@ Peers. verl (policy_loss.loss_mode=dppo_tv / dppo_kl) and Stable-RL write the te
 the same gradient as -A r M while r <= C (the authors' scripts disable C; TRL's DPPO trainer caps at 20; no cap
 here); prime-rl's default loss writes -A r M, as here, plus 1e-3 (log r)^2. They aggregate otherwise: the
 authors' scripts sum each completion's tokens with no std in the advantage, verl and prime-rl default to a
-mean over the batch's tokens. This file keeps GRPO's advantage and aggregation, so `diff dppo.py dppo.py`
+mean over the batch's tokens. This file keeps GRPO's advantage and aggregation, so `diff grpo.py dppo.py`
 shows the trust region alone, and the lab compares trust regions, not normalisations.
 
-Differences from dppo.py:
+Differences from grpo.py:
 - Loss: -M r A per token, M the divergence mask (detached), instead of the clipped surrogate.
 - --divergence tv|kl and --delta instead of --clip-eps.
 - --beta defaults to 0 (the paper's: no KL term, no reference model); a positive value adds GRPO's k3 term.

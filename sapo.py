@@ -20,10 +20,11 @@ Objective (maximised; A_i = (R_i - mean R) / (std R + eps) as in GRPO):
 TRL (loss_type="sapo", sapo_temperature_pos / _neg) and verl (policy_loss.loss_mode=sapo, tau_pos / tau_neg)
 compute this loss as written, the gate differentiated through, averaged per completion then over
 completions ("seq-mean-token-mean"; verl forces that mode whatever loss_agg_mode says). verl clamps the
-log-ratio to [-20, 20] before exp, TRL does not, nor does this file (at |log r| = 20 the gate's slope is
-~1e-8 already). A zero advantage takes tau_neg in all three (it adds nothing either way).
+log-ratio to [-20, 20] before exp, TRL does not, nor does this file: past r = e^20 the gate is flat in floating
+point and below e^-20 the factor r zeroes the gradient, so the two agree to ~1e-9. A zero advantage takes
+tau_neg in all three (it adds nothing either way).
 
-Differences from sapo.py:
+Differences from grpo.py:
 - Loss: the gated term f(r) * A per token instead of the clipped surrogate; no token loses all its gradient.
 - --tau-pos 1.0 and --tau-neg 1.05 instead of --clip-eps.
 - --beta defaults to 0 (the paper's: no KL term, no reference model); a positive value adds GRPO's k3 term.
