@@ -29,6 +29,8 @@ Differences from grpo.py:
   micro-batches and minibatches hold whole groups (sizes must be multiples of --group-size).
 - --reuse-steps K: train on the fresh groups plus those of the previous K steps (default 0).
 - --demos-per-group k: mixed data, k of each group's G completions the example's worked completion (default 0).
+- --target-kl d: beta adapted after each step toward a KL of d nats per completion from the anchor to the updated
+  policy, by PPO's adaptive KL penalty; the loss is then divided by beta (docs/gvpo.md; default: beta fixed).
 
 Why replayed groups and demonstrations need no importance weight (the paper's §3.3): with
 R_theta(x, y) = beta log(pi_theta(y|x) / pi_theta'(y|x)), the loss estimates, for completions y drawn
