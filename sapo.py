@@ -276,7 +276,8 @@ def compute_loss(
     ratio = torch.exp(logprobs - old_logprobs)  # (B, T); exactly 1 on the first update of a rollout
     adv = advantages.unsqueeze(-1)  # (B, 1): one advantage for every token of a completion
     tau = torch.where(adv > 0, adv.new_tensor(tau_pos), adv.new_tensor(tau_neg))  # (B, 1), in the advantages' dtype
-    gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau  # (B, T) f(r): slope 1 at r = 1, flat far from it
+    s = torch.sigmoid(tau * (ratio - 1))  # (B, T)
+    gate = s * 4 / tau  # (B, T) f(r): slope 1 at r = 1, flat far from it
     pg_losses = -gate * adv  # (B, T)
     if beta > 0:
         log_ref_ratio = (ref_logprobs - logprobs).clamp(-20, 20)  # log(pi_ref / pi_theta), clamped before exp
@@ -289,7 +290,6 @@ def compute_loss(
 
     with torch.no_grad():
         n = response_mask.sum().clamp(min=1)
-        s = torch.sigmoid(tau * (ratio - 1))
         weight = 4 * s * (1 - s)  # (B, T) w = f'(r): the share of the token's policy gradient the gate keeps
         pull = ratio * adv.abs() * response_mask  # (B, T) |d(r A) / d log pi|: each token's gradient, unbounded
         metrics = {  # tensors: the caller syncs them with the device once per step
