@@ -1,5 +1,6 @@
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,12 @@ os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+
+
+def default_sigint() -> None:
+    """A child's Ctrl-C as a user's (preexec_fn): a shell that starts the suite in the background without job control
+    has it ignored (SIG_IGN), which children inherit, and Python installs its KeyboardInterrupt only where it is not."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def run(args: list[str], cwd: Path, torchrun: int = 0, timeout: int = 1800, python: str = sys.executable,

@@ -19,7 +19,7 @@ import pytest
 import common
 import grpo
 from common import UsageError, cli
-from conftest import ROOT, read_metrics, run
+from conftest import ROOT, default_sigint, read_metrics, run
 
 # (input, grpo.py's arguments, or another file's after its name, the start of the message). Each stops
 # at start-up. "{tmp}" is the test's folder, where `make_inputs` writes the bad files; runs go to
@@ -235,7 +235,8 @@ def test_ctrl_c_says_where_to_resume_and_the_command_works(tmp_path):
     args = small(tmp_path, "--run-name", "stopped", "--save-every", "2",
                  "--reward-fn", f"{tmp_path / 'slow.py'}:reward", steps=6)
     proc = subprocess.Popen([sys.executable, str(ROOT / args[0]), *args[1:]], cwd=tmp_path, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=default_sigint)
     deadline = time.time() + 900
     while not (tmp_path / "runs" / "stopped" / "step_2").exists() and time.time() < deadline:
         time.sleep(0.05)

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 import common
 import grpo
 from common import UsageError
-from conftest import ALGORITHMS, ROOT, read_metrics, run
+from conftest import ALGORITHMS, ROOT, default_sigint, read_metrics, run
 
 pytestmark = pytest.mark.slow  # kill-and-resume runs in subprocesses: `-m 'not slow'` skips them
 
@@ -57,7 +57,8 @@ def stopped_in_second_call(args: list[str], tmp_path: Path, hang_in: str, stop: 
     (hook / "sitecustomize.py").write_text(HANG_ON_SECOND_CALL)
     proc = subprocess.Popen([sys.executable, str(ROOT / args[0]), *args[1:]], cwd=tmp_path, text=True,
                             env={**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}", "HANG_IN": hang_in,
-                                 "HANG_STARTED": str(started)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                 "HANG_STARTED": str(started)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=default_sigint)
     deadline = time.time() + 300
     while proc.poll() is None and not started.exists() and time.time() < deadline:
         time.sleep(0.02)
