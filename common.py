@@ -7,9 +7,10 @@ algorithm's equations: advantages, ratios, clipping, KL and loss aggregation liv
    `load_reference` (a frozen copy, or the policy with its adapters off), `shard_model` (FSDP2)
 4. Data: `load_task` (built-in tasks, JSONL, `datasets`; prompts that fit), `format_prompt`, `prompt_batch`
 5. Rewards and evaluation: `score` (correctness, exact or by math-verify; format; a user's function), `evaluate`
-6. Generation and log-probs: `Rollout`, `generate` (`model.generate`, or `VllmEngine`), `given_rollout`, `get_logprobs`,
+6. Generation and log-probs: `Rollout`, `generate` (`model.generate`, or vllm_engine.py's engine: `load_vllm`),
+   `given_rollout`, `micro_batches` (by a token budget), `get_logprobs` (on the columns the rows use),
    `sampler_logprob_gap`, `rollout_weights` and `reweighted` (the rollout correction)
-7. Metrics and logging: `Logger` (stdout, metrics.jsonl, TensorBoard, W&B), `step_metrics`
+7. Metrics and logging: `Logger` (stdout, metrics.jsonl, TensorBoard, W&B), `add_metrics`, `step_metrics`
 8. Run folder: `prepare_run_dir`, `claim_run_dir`, `resume_hint` (the rules: docs/checkpoints.md)
 9. Checkpoints: `save_checkpoint`, `load_checkpoint` (torch.distributed.checkpoint, safetensors only)
 """
@@ -22,6 +23,7 @@ import fcntl
 import functools
 import importlib
 import importlib.util
+import itertools
 import json
 import math
 import numbers
@@ -88,6 +90,7 @@ FLAG_RULES = [
     ("updates_per_rollout", lambda v: v >= 1, ">= 1", ""),
     ("num_minibatches", lambda v: v >= 1, ">= 1", ""),
     ("micro_batch_size", lambda v: v is None or v >= 1, ">= 1", "or left out: the whole minibatch"),
+    ("max_tokens_per_micro_batch", lambda v: v is None or v >= 1, ">= 1", "or left out: no limit"),
     ("max_grad_norm", lambda v: v > 0, "> 0", "inf: no clipping"),
     ("weight_decay", lambda v: v >= 0, ">= 0", ""),
     ("eval_every", lambda v: v >= 0, ">= 0", "0: never evaluate"),
@@ -104,8 +107,7 @@ FLAG_RULES = [
 
 
 def cli(args_class, args: list[str] | None = None):
-    """tyro.cli for an Args made of flag groups (its dataclass bases): --help shows each under its name, the flags
-    stay flat (--seed, args.seed). tyro groups only nested dataclasses: one is built here, flattened after parsing."""
+    """tyro.cli of an Args of flag groups (its bases): by group in --help (nested), flat after parsing (args.seed)."""
     groups = [c for c in reversed(args_class.__mro__[1:]) if dataclasses.is_dataclass(c)]  # ExperimentFlags first
     titles = [re.sub(r"(?<=[a-z])(?=[A-Z])", " ", group.__name__.removesuffix("Flags")).capitalize()
               .replace(" and ", " & ") for group in groups]  # ModelAndDataFlags -> "Model & data"
@@ -123,12 +125,7 @@ def require(valid: bool, flag: str, value, must: str) -> None:
 
 
 def check_flags(args) -> None:
-    """The shared flags, before anything is loaded or written, and the per-rank batch sizes (args.world_size,
-    local_prompts_per_step, ...). Each algorithm file checks its own flags after this (`require`)."""
-    for field in dataclasses.fields(args):  # every float flag, the algorithm's too: nan passes any comparison
-        value = getattr(args, field.name)
-        if isinstance(value, float) and not math.isfinite(value) and (field.name, value) != ("max_grad_norm", math.inf):
-            raise UsageError(f"--{field.name.replace('_', '-')} {value}: must be a finite number.")
+    """The shared flags, before anything is loaded or written, and the per-rank batch sizes (args.world_size, ...)."""
     if args.task is not None and args.dataset is not None:
         raise UsageError(f"--task {args.task} is a built-in dataset: pass --task or --dataset, not both.")
     model, max_new_tokens = TASKS[args.task or "add"]  # the defaults that follow the task
@@ -179,8 +176,7 @@ def exact_div(numerator: int, denominator: int, message: str) -> int:
 
 
 def setup_distributed(timeout_minutes: float = 60) -> tuple[int, int, torch.device]:
-    """(rank, world_size, device) from torchrun's environment; a plain `python x.py` is rank 0 of 1. A
-    collective that waits longer than `timeout_minutes` (--dist-timeout) for another rank fails."""
+    """(rank, world_size, device) from torchrun's environment (`python x.py`: rank 0 of 1); collectives time out."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     cuda = torch.cuda.is_available()
     if cuda:
@@ -194,8 +190,8 @@ def setup_distributed(timeout_minutes: float = 60) -> tuple[int, int, torch.devi
 
 
 def cleanup_distributed() -> None:
-    """The last call of a distributed run: wait for every rank (rank 0 may still be writing), tear the group down;
-    on CPU exit at once: gloo's threads outlive it (DTensor's caches hold it, after FSDP) and abort teardown (-6)."""
+    """The last call of a distributed run: every rank waits, then the group goes; on CPU the process ends at once
+    (gloo's threads, held by DTensor's caches after FSDP, would abort interpreter teardown with -6)."""
     if dist.is_initialized():
         on_cpu = dist.get_backend() == "gloo"
         dist.barrier()
@@ -224,13 +220,20 @@ def current_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def all_reduce_mean(metrics: dict[str, float | torch.Tensor]) -> dict[str, float]:
-    """Scalar metrics (floats or 0-dim tensors) averaged over ranks, with one all-reduce and one copy to the host."""
-    if not metrics:
-        return {}
-    values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=current_device()).detach()
-                          for v in metrics.values()])
-    return dict(zip(metrics, (all_reduce(values) / (dist.get_world_size() if dist.is_initialized() else 1)).tolist()))
+def all_reduce_mean(metrics: dict[str, float | torch.Tensor | tuple]) -> dict[str, float]:
+    """Scalar metrics over ranks, in one all-reduce: a (sum, count) pair as its sums over its counts, a value's mean."""
+    pairs = torch.stack([torch.stack([torch.as_tensor(x, dtype=torch.float64, device=current_device()).detach()
+                                      for x in (v if isinstance(v, tuple) else (v, 1))]) for v in metrics.values()])
+    sums, counts = all_reduce(pairs).unbind(-1)
+    return dict(zip(metrics, torch.where(counts > 0, sums / counts, 0).tolist()))
+
+
+def add_metrics(totals: dict[str, tuple], metrics: dict[str, float | torch.Tensor | tuple]) -> None:
+    """`metrics` (a micro-batch's) added into `totals`: (sum, count) pairs, a plain value counted once. Logged as sum /
+    count over the step and ranks, a mean weighted by what it averages: the same however the rows are cut."""
+    for key, value in metrics.items():
+        totals[key] = tuple(a + b for a, b in zip(totals.get(key, (0, 0)), value if isinstance(value, tuple) else
+                                                  (value, 1)))
 
 
 def no_sync(models, last: bool) -> contextlib.ExitStack:
@@ -262,9 +265,8 @@ def on_every_rank(model, flag: bool, device: torch.device) -> bool:
 
 
 def load_tokenizer(name: str, flag: str = "--model"):
-    """The tokenizer of a model name or folder (a run's first load: a mistyped --model stops here), padding on the
-    left (prompts end where generation starts). The vocabulary never changes (model and adapters stay loadable): it
-    pads with EOS when there is no pad token, and masks, not ids, say where text ends. No code from the folder runs."""
+    """The tokenizer of a model name or folder (a mistyped --model stops here), padding on the left. Its vocabulary
+    never changes: it pads with EOS where it has no pad token (masks, not ids, say where text ends). No code runs."""
     if (Path(name) / "adapter").is_dir() and not (Path(name) / "config.json").exists():
         raise UsageError(f"{flag} {name}: a step checkpoint of a LoRA run holds its adapters (adapter/), not a "
                          "model. Go on with --resume, or start from the run's final/ (the merged model).")
@@ -280,8 +282,8 @@ def load_tokenizer(name: str, flag: str = "--model"):
 
 def load_model(name: str, dtype: str, device: torch.device, tokenizer, auto_class=AutoModelForCausalLM,
                gradient_checkpointing: bool = False):
-    """Any causal LM (with `auto_class=AutoModel`, its backbone) in `dtype` ("auto": fp32 on CPU, bf16 on GPU), dropout
-    off (config and modules): log-probs must be a function of the weights, also in train mode (checkpointing)."""
+    """Any causal LM (or its backbone: AutoModel) in `dtype` (auto: fp32 on CPU, bf16 on GPU), dropout off (log-probs
+    must be a function of the weights, also in train mode); ready for gradient checkpointing."""
     dtype = ("bfloat16" if device.type == "cuda" else "float32") if dtype == "auto" else dtype
     config = AutoConfig.from_pretrained(name, trust_remote_code=False)
     for sub in [config, *(v for v in vars(config).values() if isinstance(v, transformers.PretrainedConfig))]:
@@ -302,8 +304,7 @@ def load_model(name: str, dtype: str, device: torch.device, tokenizer, auto_clas
 
 @torch.no_grad()
 def check_output_logits(model, name: str) -> None:
-    """Stop unless `output_logits` gives the model's own logits (to 1e-4 of the largest in fp32, 2e-2 in 16-bit):
-    `get_logprobs` projects hidden states itself, and must train the distribution that was sampled."""
+    """Stop unless `output_logits` (get_logprobs' head) gives the model's logits (1e-4 of the largest; 16-bit: 2e-2)."""
     ids = torch.arange(8, device=model.device)[None] % model.config.get_text_config().vocab_size
     out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
     theirs, ours = out.logits.float(), output_logits(model, out.hidden_states[-1]).float()
@@ -328,8 +329,7 @@ def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module
 
 
 def add_lora(model, rank: int, alpha: float, targets: str):
-    """`model` with LoRA adapters (peft) of `rank` on `targets` ("all-linear", or module names), the only weights
-    trained; `model` itself for rank 0. Dropout 0: the trained distribution must be the sampled one."""
+    """`model` with LoRA adapters (peft) of `rank` on `targets`, the only weights trained (rank 0: `model` as it is)."""
     if not rank:
         return model
     try:
@@ -351,30 +351,22 @@ def is_lora(model) -> bool:
     return getattr(unwrap(model), "peft_config", None) is not None
 
 
-class AdaptersOff:
-    """The policy with its LoRA adapters off: the frozen reference without a second copy of the weights. Not a
-    Module, so that `.eval()` or `.requires_grad_()` never reach the policy through it."""
-
-    def __init__(self, policy):
-        self.module = policy
-
-    def __call__(self, *args, **kwargs):
-        with self.module.disable_adapter():
-            return self.module(*args, **kwargs)
-
-
 def load_reference(args, policy, tokenizer, device: torch.device):
-    """The frozen reference: with LoRA the policy, adapters off; else --model loaded with its seed, sharded like it."""
+    """The frozen reference: with LoRA the policy with its adapters off (no second copy; a function, not a Module:
+    `.eval()` never reaches the policy through it); else --model loaded with its seed, sharded like the policy."""
     if is_lora(policy):
-        return AdaptersOff(unwrap(policy))
+        def adapters_off(*args, **kwargs):
+            with adapters_off.module.disable_adapter():
+                return adapters_off.module(*args, **kwargs)
+        adapters_off.module = unwrap(policy)  # what `unwrap` returns
+        return adapters_off
     torch.manual_seed(args.seed)
     reference = load_model(args.model, args.dtype, device, tokenizer).eval().requires_grad_(False)
     return shard_model(reference, device) if args.fsdp else reference
 
 
 def plain_weights(model, state: dict | None = None):
-    """(name, tensor) of the weights as plain transformers names them, one at a time (FSDP: each gathered in
-    turn; LoRA: merged, W + scale * B A); `state`: a full state dict to read instead of the model's."""
+    """(name, tensor) of the weights as transformers names them, one at a time (FSDP: gathered; LoRA: merged)."""
     peft_model = unwrap(model)
     state = peft_model.state_dict() if state is None else state
     for key in [key for key in state if ".lora_" not in key]:  # the adapters go into their base weights
@@ -386,8 +378,7 @@ def plain_weights(model, state: dict | None = None):
 
 
 def clip_grad_norm(parameters, max_norm: float, step: int, run_dir: Path) -> torch.Tensor:
-    """`clip_grad_norm_`'s total norm, a plain tensor also for FSDP's sharded gradients. One that is not finite
-    (the same on every rank: all stop) stops the run before the optimizer step, naming where to go on from."""
+    """`clip_grad_norm_`'s total norm (FSDP: whole); not finite (on every rank), the run stops before the step."""
     norm = whole(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
     if not torch.isfinite(norm):
         raise UsageError(f"step {step}: non-finite gradient norm ({norm.item()}); stopped before the optimizer step. "
@@ -406,10 +397,8 @@ def model_positions(name: str) -> int | None:
 
 
 def builtin_splits(task: str = "add", eval_size: int = 500) -> tuple[list[dict], list[dict]]:
-    """(train, held-out) examples of a built-in task, fixed by a seed; the first `eval_size` are held out.
-    add: `a+b` for 0 <= a, b <= 99, answered with the sum's digits; all 10,000 pairs. chain: sums of 2-6 numbers
-    (0-99), answered after '####'; 20,000 distinct prompts; `demo`: a worked completion (`12+7=19 19+30=49 #### 49`),
-    the warm-up data's and gvpo.py --demos-per-group's. guess: 10,000 secrets of the game of `GUESS`."""
+    """(train, held-out) of a built-in task (seeded; the first `eval_size` held out): add, all 10,000 `a+b`; chain,
+    20,000 sums of 2-6 numbers, '####', `demo` worked (`12+7=19 19+30=49 #### 49`); guess, 10,000 secrets (`GUESS`)."""
     if task == "guess":
         rng = random.Random(1234)
         examples = [{"prompt": "guess a number from 0 to 99", "answer": str(rng.randrange(100))} for _ in range(10_000)]
@@ -432,11 +421,8 @@ def builtin_splits(task: str = "add", eval_size: int = 500) -> tuple[list[dict],
 
 def load_rows(source: str, flag: str = "--dataset", config: str | None = None, split: str | None = "train",
               prompt_field: str = "prompt", answer_field: str = "answer") -> list[dict]:
-    """Rows of a JSONL file (read here: it needs nothing more) or of anything `datasets`
-    reads (a Hub name, JSON/Parquet/CSV files, a folder of them, a `save_to_disk` folder) at `config` and
-    `split` (None: 'test', or its only split): every field, and "prompt" and "answer" as text. A missing, null or
-    non-text field stops naming the file and line; so does a field empty in every row (a --prompt-field or
-    --answer-field naming the wrong column)."""
+    """Rows of a JSONL file or of what `datasets` reads (Hub, JSON/Parquet/CSV, folders) at `config` and `split` (None:
+    'test' or its only one), "prompt" and "answer" as text; a missing, null or wholly empty field stops, named."""
     records = _jsonl_records(source, flag) if source.endswith(".jsonl") and config is None else \
         _dataset_records(source, flag, config, split)
     rows = []
@@ -511,8 +497,7 @@ def _dataset_records(source: str, flag: str, config: str | None, split: str | No
 def load_data(dataset: str | None, eval_dataset: str | None, eval_size: int, dataset_config: str | None = None,
               split: str = "train", eval_split: str | None = None, task: str = "add", **fields
               ) -> tuple[list[dict], list[dict]]:
-    """(train, eval) examples: the built-in `task`, or `load_rows` of --dataset with, held out, --eval-dataset
-    (at --eval-split or its 'test' split), else --eval-split of --dataset, else its last `eval_size` rows."""
+    """(train, eval): the built-in `task`, or --dataset and --eval-dataset, its --eval-split, or its last rows."""
     if dataset is None:
         train, held_out = builtin_splits(task, eval_size)
         if not train:
@@ -530,9 +515,8 @@ def load_data(dataset: str | None, eval_dataset: str | None, eval_size: int, dat
 
 
 def load_task(args) -> tuple:
-    """(tokenizer, train, held_out, exact, reward_fn, env), checked before any model loads: `load_data`'s examples
-    whose prompts fit the model (`fit_prompts`); `exact`: a built-in task's answers are compared as strings; the
-    --reward-fn function, tried on two examples; the environment (`MultiTurn`: --env's or --task guess's)."""
+    """(tokenizer, train, held_out, exact, reward_fn, env) before any model loads: the examples that fit the model
+    (`fit_prompts`); `exact`: answers compared as text (built-in tasks); --reward-fn, tried; --env (`MultiTurn`)."""
     train, held_out = load_data(args.dataset, args.eval_dataset, args.eval_size, args.dataset_config, args.split,
                                 args.eval_split, args.task or "add", prompt_field=args.prompt_field,
                                 answer_field=args.answer_field)
@@ -544,9 +528,8 @@ def load_task(args) -> tuple:
 
 
 def fit_prompts(train: list[dict], held_out: list[dict], tokenizer, args) -> tuple[list[dict], list[dict]]:
-    """The examples whose prompt, formatted as it will be sampled from, is not empty, has at most --max-prompt-length
-    tokens and leaves room for --max-new-tokens in the model's positions (a longer one would crash the step that
-    draws it, or train positions past the trained range); the others are dropped with a count."""
+    """The examples whose formatted prompt is not empty, has at most --max-prompt-length tokens and leaves room for
+    --max-new-tokens in the model's positions (else a crash, or untrained positions); the others dropped, counted."""
     positions = model_positions(args.model)
     limit = min(args.max_prompt_length or math.inf, positions - args.max_new_tokens if positions else math.inf)
     if limit < 1:
@@ -573,8 +556,7 @@ def fit_prompts(train: list[dict], held_out: list[dict], tokenizer, args) -> tup
 
 
 def format_prompt(tokenizer, prompt: str, chat_template: bool) -> str:
-    """The text the model continues: the chat template's user turn and assistant header when the tokenizer
-    has one (and --chat-template is on), else the prompt after BOS."""
+    """The text the model continues: the chat template's user turn and assistant header, or the prompt after BOS."""
     if chat_template and tokenizer.chat_template:
         return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                              tokenize=False)
@@ -582,11 +564,9 @@ def format_prompt(tokenizer, prompt: str, chat_template: bool) -> str:
 
 
 def prompt_batch(examples: list[dict], step: int, batch_size: int, rank: int, world_size: int, seed: int) -> list[dict]:
-    """This rank's slice of step `step`'s global batch. Every rank computes the same global order (a fresh
-    permutation each epoch, seeded by seed + epoch): the data order depends only on (seed, step), so a resume
-    is exact and the global batch is the same whatever the number of ranks."""
-    local = batch_size // world_size
-    start = step * batch_size + rank * local
+    """This rank's slice of step `step`'s global batch, in an order (a permutation per epoch, seeded by seed + epoch)
+    that depends only on (seed, step): a resume is exact, and the global batch the same on any number of ranks."""
+    local, start = batch_size // world_size, step * batch_size + rank * (batch_size // world_size)
     return [examples[_epoch_order(len(examples), seed + pos // len(examples))[pos % len(examples)]]
             for pos in range(start, start + local)]
 
@@ -600,8 +580,8 @@ def _epoch_order(num_examples: int, seed: int) -> list[int]:
 
 
 def final_answer(text: str) -> str | None:
-    """A completion's final answer: its last \\boxed{...}, else the number right after its last '####' (else the line);
-    '' when it opens one and does not finish it (cut off: no answer, never an earlier number); None for neither."""
+    """A completion's final answer: its last \\boxed{...}, else the number after its last '####' (else the line); '' for
+    an unfinished one (cut off: no answer, never an earlier number); None for neither."""
     start = text.rfind("\\boxed{")
     if start >= 0:
         depth, i = 1, start + len("\\boxed{")
@@ -634,9 +614,8 @@ def _to_number(text: str) -> Fraction | Decimal | None:
 
 
 def math_reward(completion: str, answer: str) -> bool:
-    """Is `completion` right, for a gold `answer` such as '72', '\\frac{1}{2}', '(1, 3]' or GSM8K's 'reasoning #### 72'?
-    Its final answer (or the whole completion) is compared: plain numbers exactly, a base like '10001_2' as text,
-    anything else by math-verify (roots, pi, units, intervals, sets, equations). The rules: docs/data.md."""
+    """Is `completion` right for a gold `answer` ('72', '\\frac{1}{2}', '(1, 3]', 'reasoning #### 72')? Its final answer
+    (or all of it): numbers exactly, a base ('10001_2') as text, else by math-verify. The rules: docs/data.md."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
     gold, stated = answer.rsplit("####", 1)[-1].strip(), final_answer(completion)
@@ -660,23 +639,20 @@ def math_reward(completion: str, answer: str) -> bool:
 
 
 def correctness_reward(completions: list[str], answers: list[str], exact: bool) -> torch.Tensor:
-    """1.0 where the completion is right: its text after the last '####' (the whole text when it has none)
-    equals the answer (`exact`, the built-in tasks), or it states the gold answer (`math_reward`, real data)."""
+    """1.0 where the completion is right: its text after the last '####' is the answer (`exact`), or `math_reward`."""
     right = [c.rsplit("####", 1)[-1].strip() == a.strip() if exact else math_reward(c, a)
              for c, a in zip(completions, answers)]
     return torch.tensor(right, dtype=torch.float32)
 
 
 def format_reward(completions: list[str], exact: bool) -> torch.Tensor:
-    """1.0 where the answer is given in the expected form: a bare number after the last '####' or alone
-    (built-in tasks), or \\boxed{} / #### (real data)."""
+    """1.0 where the answer has the expected form: a bare number after '####' (`exact`), or \\boxed{} / #### (data)."""
     return torch.tensor([re.fullmatch(r"\s*-?\d+\s*", c.rsplit("####", 1)[-1]) is not None if exact else
                          "\\boxed{" in c or "####" in c for c in completions], dtype=torch.float32)
 
 
 def load_reward_fn(spec: str, examples: list[dict] = ()):
-    """`module:function` (imported from the working directory) or `path/to/file.py:function`, called as
-    `fn(prompts, completions, answers)` -> one float per completion; tried at once on `examples`."""
+    """--reward-fn's function (`load_object`): fn(prompts, completions, answers) -> a float each, tried on `examples`"""
     fn = load_object(spec, "--reward-fn", "function")
     if examples:
         answers = [e["answer"] for e in examples]
@@ -689,10 +665,6 @@ def load_object(spec: str, flag: str, kind: str):
     module_name, _, fn_name = spec.rpartition(":")
     if not module_name or not fn_name:
         raise UsageError(f"{flag} {spec!r}: expected 'module:{kind}' or 'file.py:{kind}'.")
-    ours = getattr(sys.modules.get(module_name.partition(".")[0]), "__file__", None)  # e.g. this project's common
-    if not module_name.endswith(".py") and ours and Path(ours).resolve().parent == HERE:
-        raise UsageError(f"{flag} {spec!r}: {module_name!r} is a module of this project; pass your file as "
-                         f"path/to/{module_name}.py:{fn_name}, or rename it.")
     sys.path.insert(0, os.getcwd())  # for this import only: found from the working directory first
     try:
         if module_name.endswith(".py"):
@@ -711,8 +683,8 @@ def load_object(spec: str, flag: str, kind: str):
 
 
 def call_reward_fn(fn, spec: str, prompts: list[str], completions: list[str], answers: list[str]) -> torch.Tensor:
-    """A user reward function's values (B,), one finite float per completion, or a stop that says what it gave.
-    It gets copies of the lists, and runs in this process without a deadline (give its own calls a timeout)."""
+    """A user reward function's values (B,), a finite float per completion, or a stop that says what it gave (its own
+    calls need their own timeouts: it runs in this process)."""
     try:
         values = fn(list(prompts), list(completions), list(answers))
     except SystemExit as e:  # would end the run with its status (0 for sys.exit()), and no final/
@@ -733,9 +705,8 @@ def call_reward_fn(fn, spec: str, prompts: list[str], completions: list[str], an
 def score(examples: list[dict], completions: list[str], group_size: int, exact: bool, format_weight: float = 0.0,
           reward_fn=None, reward_fn_spec: str = "", env_return: torch.Tensor | None = None
           ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Total reward (B,) = correct + format_weight * format + user reward, and each component (B,), of the
-    completions of `examples` ({"prompt", "answer"}): `group_size` of each, stored contiguously. With an
-    environment, `correct` is the episodes' `env_return` (an environment grades its episodes itself)."""
+    """Total reward (B,) = correct + format_weight * format + user reward, and each component (B,), of `group_size`
+    completions of each example, stored contiguously; with an environment, `correct` is the episodes' return."""
     prompts, answers = ([e[key] for e in examples for _ in range(group_size)] for key in ("prompt", "answer"))
     components = {"correct": correctness_reward(completions, answers, exact) if env_return is None else
                   env_return.cpu()}
@@ -749,11 +720,9 @@ def score(examples: list[dict], completions: list[str], group_size: int, exact: 
 
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[dict], chat_template: bool, exact: bool, max_new_tokens: int, seed: int,
-             batch_size: int = 256, vllm: "VllmEngine | None" = None, env: "MultiTurn | None" = None
-             ) -> dict[str, float]:
-    """Held-out accuracy of one sample at T=1 (`eval/accuracy`) and of greedy decoding (`_greedy`), each rank
-    on a strided shard (with `env`: the mean return of one episode). Sampling is seeded and forked: evaluation
-    neither depends on nor disturbs training's random state. `perf/eval_s`: its wall time (in `perf/step_s`)."""
+             batch_size: int = 256, vllm=None, env: "MultiTurn | None" = None) -> dict[str, float]:
+    """Held-out accuracy of a sample at T=1 and of greedy decoding (with `env`: an episode's mean return), each rank
+    on a strided shard, its sampling seeded and forked: training's random state neither read nor changed."""
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     start, shard = time.perf_counter(), examples[rank::world_size]
     right = torch.zeros(2, dtype=torch.float64, device=model.device)
@@ -776,13 +745,11 @@ def evaluate(model, tokenizer, examples: list[dict], chat_template: bool, exact:
 
 @dataclass
 class Rollout:
-    """G completions per prompt, stored contiguously (group j is rows j*G .. j*G+G-1).
-    input_ids, attention_mask: (B, P+L) the left-padded prompt, then the response, padded after EOS
-    response_mask: (B, L) 1 on response tokens up to and including EOS; prompt_length: P
-    texts: the B decoded responses; truncated: (B,) True where a response hit --max-new-tokens without EOS
-    sampler_logprobs: (B, L) each token's log-prob under the distribution the sampler drew it from (0 greedy)
-    With an environment (`MultiTurn`) a response is an episode: the policy's turns (response_mask 1), the
-    environment's observations (response_mask 0, sampler log-prob 0); env_return, turns: (B,)."""
+    """G completions per prompt, stored contiguously (group j is rows j*G .. j*G+G-1). input_ids, attention_mask:
+    (B, P+L) the left-padded prompt, then the response, padded after EOS; response_mask: (B, L) 1 on response tokens,
+    EOS included; texts: the B decoded responses; truncated: (B,) True where one hit --max-new-tokens without EOS;
+    sampler_logprobs: (B, L) each token's log-prob in the distribution it was drawn from (0 greedy). An episode
+    (`MultiTurn`): the policy's turns (response_mask 1) and observations (0, log-prob 0); env_return, turns: (B,)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -796,8 +763,7 @@ class Rollout:
 
 
 def cat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
-    """Rollouts stacked in order (groups stay contiguous): prompts re-padded on the left to the widest,
-    responses on the right to the longest."""
+    """Rollouts stacked in order (groups stay contiguous), re-padded to the widest prompt and longest response."""
     P, L = max(r.prompt_length for r in rollouts), max(r.response_mask.shape[1] for r in rollouts)
 
     def pad(r: Rollout, x: torch.Tensor, value, left: bool = True) -> torch.Tensor:  # to (B, P+L), or (B, L)
@@ -819,22 +785,9 @@ def select_rows(rollout: Rollout, rows: torch.Tensor) -> Rollout:
                       if isinstance(value, list) else value for key, value in vars(rollout).items()})
 
 
-def given_rollout(tokenizer, prompts: list[str], completions: list[str], max_new_tokens: int,
-                  device: torch.device) -> Rollout:
-    """A rollout of given completions (one per prompt text, formatted), as `generate` would return it had it
-    sampled them: each with the EOS token after it, cut at `max_new_tokens` (then truncated). Nothing sampled
-    them: their sampler log-probs are 0."""
-    ids = [x[:max_new_tokens] for x in tokenizer([c + tokenizer.eos_token for c in completions],
-                                                  add_special_tokens=False).input_ids]
-    return pack(tokenizer, tokenizer(prompts, add_special_tokens=False).input_ids, ids, [[1] * len(x) for x in ids],
-                [[0.0] * len(x) for x in ids], tokenizer.batch_decode(ids, skip_special_tokens=True),
-                [x[-1] != tokenizer.eos_token_id for x in ids], device=device)
-
-
 class Sampler(LogitsProcessor):
-    """Sampling's only logits processor, in transformers' greedy loop: it draws each row's token from softmax(logits
-    / T), keeps its log-prob, and returns scores 0 at the drawn token and -inf elsewhere, which the greedy step
-    takes: the log-prob recorded is the drawn distribution's, whatever else transformers does around it."""
+    """Sampling's only logits processor, in transformers' greedy loop: it draws each row's token from softmax(logits /
+    T), keeps its log-prob and leaves the greedy step nothing else to take (scores -inf but at the drawn token)."""
 
     def __init__(self, temperature: float):
         self.temperature, self.logprobs = temperature, []
@@ -848,11 +801,10 @@ class Sampler(LogitsProcessor):
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str] | list[list[int]], group_size: int, max_new_tokens: int,
-             temperature: float, greedy: bool = False, vllm: "VllmEngine | None" = None, env: "MultiTurn | None" = None,
+             temperature: float, greedy: bool = False, vllm=None, env: "MultiTurn | None" = None,
              rows: list[dict] | None = None) -> Rollout:
-    """`group_size` completions of each prompt (text, formatted, or token ids), sampled by `sample_hf` or `vllm`'s
-    engine from plain softmax(logits / T), the distribution every loss here assumes (greedy: argmax); with `env`,
-    episodes of the dataset `rows` instead (`run_episodes`)."""
+    """`group_size` completions of each prompt (text, formatted, or ids) from plain softmax(logits / T), as every loss
+    here assumes (greedy: argmax), by `sample_hf` or `vllm`'s engine; with `env`, `rows`' episodes (`run_episodes`)."""
     if env is not None:
         return run_episodes(model, tokenizer, rows, group_size, max_new_tokens, temperature, greedy, vllm, env)
     ids = tokenizer(prompts, add_special_tokens=False).input_ids if isinstance(prompts[0], str) else prompts
@@ -867,24 +819,24 @@ def generate(model, tokenizer, prompts: list[str] | list[list[int]], group_size:
 
 
 def sample_hf(model, tokenizer, ids: list[list[int]], group_size: int, max_new_tokens: int, temperature: float,
-              greedy: bool) -> tuple[list[list[int]], list[list[float]]]:
-    """`model.generate`'s `group_size` responses of each prompt (up to EOS, included) and their sampler log-probs.
-    The generation config is built here, with only the EOS, pad and BOS ids of the checkpoint's, and swapped in for
-    the call (else transformers would merge its top_k, repetition_penalty, ... into sampling)."""
+              greedy: bool, stop: list[str] = ()) -> tuple[list[list[int]], list[list[float]]]:
+    """`model.generate`'s `group_size` responses of each prompt (up to EOS, or padded after a `stop` string) and their
+    log-probs; its generation config has EOS, pad, BOS ids only (else transformers merges top_k, ... into sampling)."""
     enc = tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(model.device)
     prompt_ids, prompt_mask = (x.repeat_interleave(group_size, dim=0) for x in (enc.input_ids, enc.attention_mask))
     eos_ids = stop_ids(model, tokenizer)
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id,
-                              bos_token_id=model.generation_config.bos_token_id, do_sample=False)  # Sampler draws
+                              bos_token_id=model.generation_config.bos_token_id, do_sample=False,  # Sampler draws
+                              stop_strings=list(stop) or None)
     sampler = Sampler(temperature)
     # Under FSDP every forward is collective: a rank whose completions all ended keeps stepping with the
     # others (synced_gpus) instead of leaving them waiting for its shards.
     synced = dist.is_initialized() and isinstance(unwrap(model), FSDPModule)
     checkpoint_config, model.generation_config = model.generation_config, config
     try:
-        cache = shared_prompt_cache(model, enc.input_ids, enc.attention_mask, group_size)
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
-                             logits_processor=None if greedy else [sampler], synced_gpus=synced, **{CACHE: cache})
+                             logits_processor=None if greedy else [sampler], synced_gpus=synced,
+                             tokenizer=tokenizer if stop else None)
     finally:
         model.generation_config = checkpoint_config
     responses = out[:, prompt_ids.shape[1]:].tolist()  # (B, L), padded after EOS
@@ -901,9 +853,8 @@ def stop_ids(model, tokenizer) -> list[int]:
 
 @dataclass
 class MultiTurn:
-    """Episodes with an environment (--env, or `GUESS`), one instance per episode made from its dataset row: an
-    optional `stop` (strings that end a turn before EOS: a tool call's '</calc>'), an optional `reset()` (the first
-    message; None: the row's prompt) and `step(action) -> (observation, reward, done)` (docs/environments.md)."""
+    """An environment class (--env, `GUESS`), made from each episode's row: optional `stop` (strings that end a turn:
+    '</calc>') and `reset()` (the first message; None: the prompt), `step(action) -> (observation, reward, done)`."""
 
     env_class: type
     spec: str  # --env, for messages
@@ -912,12 +863,10 @@ class MultiTurn:
 
 
 def run_episodes(model, tokenizer, rows: list[dict], group_size: int, max_new_tokens: int, temperature: float,
-                 greedy: bool, vllm: "VllmEngine | None", env: MultiTurn) -> Rollout:
-    """`group_size` episodes of each row. Each turn the episodes still going sample as one batch, each turn's text
-    goes to its environment's `step`, and the observation is appended as tokens: the sampled tokens are never
-    decoded and encoded again. An episode ends when its environment says so, or is cut (truncated) after
-    --max-turns turns or --max-new-tokens tokens after its prompt (the policy's and the observations'). Every rank
-    runs as many turns (with a dummy one when its episodes have ended): FSDP's and vLLM's forwards are collective."""
+                 greedy: bool, vllm, env: MultiTurn) -> Rollout:
+    """`group_size` episodes of each row: each turn those still going sample as a batch, each text goes to its `step`,
+    the observation is appended as tokens (sampled ones never decoded and encoded again), until `done`, --max-turns or
+    --max-new-tokens. Every rank runs as many turns (a dummy one where its episodes ended): collective forwards."""
     rows = [row for row in rows for _ in range(group_size)]
     envs = [env_call(env.spec, "__init__", env.env_class, row) for row in rows]
     messages = [[{"role": "user", "content": env_call(env.spec, "reset", getattr(e, "reset", lambda: None))
@@ -926,7 +875,7 @@ def run_episodes(model, tokenizer, rows: list[dict], group_size: int, max_new_to
                         add_special_tokens=False).input_ids
     responses, masks, logprobs = ([[] for _ in rows] for _ in range(3))  # after the prompt; masks: 1 = the policy's
     returns, turns, ended, cut = ([0] * len(rows) for _ in range(4))
-    eos_ids, stop = stop_ids(model, tokenizer), list(getattr(env.env_class, "stop", []))
+    eos_ids, stop = stop_ids(model, tokenizer), stop_strings(tokenizer, getattr(env.env_class, "stop", []))
     for turn in range(env.max_turns):
         going = [i for i in range(len(rows)) if not ended[i]]
         if not all_reduce(torch.tensor(len(going), device=current_device()), "max"):
@@ -934,7 +883,7 @@ def run_episodes(model, tokenizer, rows: list[dict], group_size: int, max_new_to
         room = [max_new_tokens - len(responses[i]) for i in going]  # each episode's tokens left
         sample = vllm.generate if vllm is not None else sample_hf  # as `generate`, without packing the turn
         new, new_logprobs = sample(model, tokenizer, [prompts[i] + responses[i] for i in going] or prompts[:1], 1,
-                                   max(room, default=1), temperature, greedy)
+                                   max(room, default=1), temperature, greedy, stop)  # each row up to its stop
         for k, i in enumerate(going):
             ids, at_stop = cut_at_stop(tokenizer, new[k][: room[k]], stop)
             responses[i], masks[i], turns[i] = responses[i] + ids, masks[i] + [1] * len(ids), turn + 1
@@ -974,6 +923,16 @@ def env_call(spec: str, what: str, fn, *args):
         raise UsageError(f"--env {spec}: {what} raised {type(e).__name__}: {e}") from None
 
 
+def stop_strings(tokenizer, stop: list[str]) -> list[str]:
+    """The `stop` strings some token completes (transformers refuses the others: no text holds them)."""
+    kept = []
+    for string in stop:
+        with contextlib.suppress(ValueError):  # raised where no token completes it
+            transformers.StopStringCriteria(tokenizer, [string])
+            kept.append(string)
+    return kept
+
+
 def cut_at_stop(tokenizer, ids: list[int], stop: list[str]) -> tuple[list[int], bool]:
     """`ids` up to the first token that completes a `stop` string, and whether one did (by decoding prefixes)."""
     if not any(s in tokenizer.decode(ids) for s in stop):
@@ -983,10 +942,8 @@ def cut_at_stop(tokenizer, ids: list[int], stop: list[str]) -> tuple[list[int], 
 
 
 def observation_ids(tokenizer, messages: list[dict], eos_id: int | None, chat_template: bool) -> list[int]:
-    """The tokens of the environment's message (messages[-1]) after the policy's turn (messages[-2]): its text, or
-    with a chat template the rendering of all the messages and the next assistant header less that of those
-    before, from where that one closes the policy's turn (after the EOS it sampled, `eos_id`; at the template's EOS
-    after a stop string). So only for a template that renders earlier turns alike once a message is added."""
+    """The environment's message's tokens: its text, or the chat template's rendering of all messages and the next
+    header less that of those before, from where the policy's turn closes (after its EOS `eos_id`, or the template's)"""
     if not (chat_template and tokenizer.chat_template):
         return tokenizer(messages[-1]["content"], add_special_tokens=False).input_ids
     before = tokenizer.apply_chat_template(messages[:-1], tokenize=False)
@@ -1003,8 +960,7 @@ def observation_ids(tokenizer, messages: list[dict], eos_id: int | None, chat_te
 def pack(tokenizer, prompts: list[list[int]], responses: list[list[int]], masks: list[list[int]],
          logprobs: list[list[float]], texts: list[str], truncated: list[bool], device: torch.device | None = None,
          **episodes) -> Rollout:
-    """A Rollout of token lists, prompts left-padded and responses right-padded, on `device` (None: this rank's);
-    `episodes`: env_return and turns."""
+    """A Rollout of token lists, prompts left- and responses right-padded, on `device`; `episodes`: env_return, turns"""
     P, L, device = max(map(len, prompts)), max(map(len, responses)), device or current_device()
     input_ids = torch.full((len(prompts), P + L), tokenizer.pad_token_id)
     attention_mask, response_mask, sampler_logprobs = torch.zeros_like(input_ids), *torch.zeros(2, len(prompts), L)
@@ -1018,94 +974,19 @@ def pack(tokenizer, prompts: list[list[int]], responses: list[list[int]], masks:
                    **{key: torch.tensor(value, dtype=torch.float32, device=device) for key, value in episodes.items()})
 
 
-class VllmEngine:
-    """A vLLM engine on this rank's device, in this process, that samples for `generate` (--vllm): paged attention
-    and continuous batching, for long completions on a GPU. It starts with dummy weights and gets the policy's at a
-    call when `optimizer` has stepped since it last got them. Sampling is plain softmax(logits / T), as in
-    `sample_hf`. Its random stream is its own (seeded per rank), not in checkpoints: a resumed run samples other
-    completions. On a GPU it sleeps between calls, freeing its KV cache for the update, and its weights too unless
-    `keep_weights` (then pushed again at every call)."""
-
-    def __init__(self, name: str, dtype: str, seed: int, optimizer: torch.optim.Optimizer,
-                 gpu_memory_utilization: float = 0.3, keep_weights: bool = True):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights in memory
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        try:
-            import vllm
-        except ImportError:
-            raise UsageError("--vllm needs vLLM, in an environment of its own: pip install -r requirements-vllm.txt "
-                             "(see the README)") from None
-        self.vllm, self.gpu = vllm, torch.cuda.is_available()
-        dtype = ("bfloat16" if self.gpu else "float32") if dtype == "auto" else dtype  # as load_model's
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", category=FutureWarning)
-            self.llm = vllm.LLM(
-                name, dtype=dtype, seed=seed, load_format="dummy", skip_tokenizer_init=True, generation_config="vllm",
-                logprobs_mode="processed_logprobs", max_model_len=model_positions(name), enforce_eager=not self.gpu,
-                distributed_executor_backend="external_launcher" if dist.is_initialized() else None,
-                enable_sleep_mode=self.gpu, **({"gpu_memory_utilization": gpu_memory_utilization} if self.gpu else {}))
-        self.keep_weights, self.stale = keep_weights, True  # stale: its weights are not the policy's
-        optimizer.register_step_post_hook(lambda *_: setattr(self, "stale", True))  # a step changes the policy's
-        self.sleep()
-
-    def sleep(self) -> None:
-        """On a GPU, between calls: the KV cache freed, and the weights kept (sleep level 0, then the cache
-        released), or freed too (level 2: nothing kept, so the next call pushes them)."""
-        if self.gpu and self.keep_weights:
-            # One empty step first: the requests that just finished stay in this in-process engine's scheduler
-            # until its next step, and until then release_kv_cache_memory refuses ("requires a completed pause").
-            self.llm.llm_engine.step()
-            self.llm.sleep(level=0)
-            self.llm.release_kv_cache_memory()
-        elif self.gpu:
-            self.llm.sleep(level=2)
-            self.stale = True
-
-    def push(self, model) -> None:
-        """The model's weights into the engine, one tensor at a time (`plain_weights`), the LM head included
-        where it is tied to the embeddings; then the prefix cache emptied: it holds keys and values of the old
-        weights, which prompts longer than a block would reuse."""
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": plain_weights(model)})
-        self.llm.reset_prefix_cache()
-        self.stale = False
-
-    @torch.no_grad()
-    def generate(self, model, tokenizer, prompt_ids: list[list[int]], group_size: int, max_new_tokens: int,
-                 temperature: float, greedy: bool = False) -> tuple[list[list[int]], list[list[float]]]:
-        """`group_size` responses of each prompt (up to EOS, included) and their sampler log-probs, as `sample_hf`."""
-        if self.gpu and not self.keep_weights:  # memory for the weights first, then the weights
-            self.llm.wake_up(tags=["weights"])
-        if self.stale:
-            self.push(model)
-        if self.gpu:
-            self.llm.wake_up(tags=["kv_cache"])
-        eos_ids = stop_ids(model, tokenizer)
-        params = self.vllm.SamplingParams(n=group_size, temperature=0.0 if greedy else temperature, logprobs=0,
-                                          max_tokens=max_new_tokens, stop_token_ids=eos_ids, detokenize=False)
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
-        self.sleep()
-        outputs = [out for request in outputs for out in request.outputs]  # group_size of each prompt, in order
-        return [list(out.token_ids) for out in outputs], \
-            [[lp[t].logprob * (not greedy) for t, lp in zip(out.token_ids, out.logprobs)] for out in outputs]
-
-
-def shared_prompt_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int):
-    """The KV cache of each prompt's tokens but its last, computed once and repeated for its `group_size` rows, for
-    `model.generate` to go on from; None where nothing is shared or the cache is not plain (rows run their prompts)."""
-    if not on_every_rank(model, group_size > 1 and prompt_ids.shape[1] > 1, prompt_ids.device):
+def load_vllm(args, rank: int, optimizer):
+    """--vllm's engine (vllm_engine.py, beside this file, imported only with the flag), seeded per rank, or None."""
+    if not args.vllm:
         return None
-    ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]
-    cache = getattr(model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True,
-                          logits_to_keep=1), CACHE)
-    if not plain_cache(cache, ids.shape[1]):
-        return None
-    cache.batch_repeat_interleave(group_size)
-    return cache
+    try:
+        from vllm_engine import VllmEngine
+    except ModuleNotFoundError:
+        raise UsageError("--vllm needs vllm_engine.py, beside common.py: copy it too.") from None
+    return VllmEngine(args.model, args.dtype, args.seed + rank, optimizer, args.vllm_gpu_memory, args.vllm_keep_weights)
 
 
 def plain_cache(cache, length: int) -> bool:
-    """Whether `cache` holds plain keys and values for `length` tokens, which can be indexed by row: not so
-    for linear-attention or state-space layers, nor under gradient checkpointing (transformers drops it)."""
+    """Whether `cache` holds plain keys and values of `length` tokens, to index by row (not under checkpointing)."""
     return (isinstance(cache, transformers.DynamicCache) and cache.get_seq_length() == length and all(
         type(layer).__name__ in ("DynamicLayer", "DynamicSlidingWindowLayer") for layer in cache.layers))
 
@@ -1116,8 +997,7 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    """The logits `model`'s forward returns, from its last hidden states (N, H) -> (N, V), in at least fp32: the
-    LM head, then what some architectures apply after it. The temperature goes after these, as sampled."""
+    """The logits `model`'s forward returns, from its last hidden states (N, H) -> (N, V), in at least fp32."""
     config, logits = unwrap(model).config, unwrap(model).get_output_embeddings()(hidden)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if getattr(config, "logit_scale", None):  # Cohere
@@ -1131,13 +1011,15 @@ def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
 
 def response_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
                            **forward_kwargs) -> torch.Tensor:
-    """The last hidden states that score the response tokens: (B, P+L) ids and mask -> (B, L, H), columns P-1 ..
-    P+L-2 (the state at column t predicts token t+1). Rows with the same prompt (a group's G completions) share its
-    forward: each distinct prompt runs once with the KV cache, then every row's response against its prompt's keys
-    and values. Attention is causal: the values and gradients are the whole rows', for P + G L positions, not G (P + L).
-    Rows run whole when no prompt repeats (on some rank, for DDP or FSDP), under gradient checkpointing in train
-    mode, and when the cache is not plain."""
-    P, hf_model = prompt_length, unwrap(model)
+    """The last hidden states that score the response tokens: (B, P+L) ids, mask -> (B, L, H) of columns P-1 .. P+L-2,
+    0 after the longest response; the forward runs on the columns the rows use (positions from the mask). Rows of one
+    prompt (a group) share its forward: each distinct prompt runs once, then each response against its keys and values
+    (causal: the whole rows' values and gradients, for P + G L positions, not G (P + L)); not where no prompt repeats
+    (on some rank, for DDP or FSDP), under gradient checkpointing in train mode, or where the cache is not plain."""
+    used = attention_mask.any(0).nonzero().squeeze(-1)  # the columns some row uses
+    start, end = min(int(used[0]), prompt_length - 1), max(int(used[-1]) + 1, prompt_length + 1)
+    cut, P, hf_model = (0, 0, 0, input_ids.shape[1] - end), prompt_length - start, unwrap(model)  # F.pad's: the
+    input_ids, attention_mask = input_ids[:, start:end], attention_mask[:, start:end]  # right columns back, as 0
     prompts, row_prompt = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], 1), dim=0,
                                        return_inverse=True)  # (N, 2P) distinct prompts; (B,) each row's
     checkpointed = torch.is_grad_enabled() and hf_model.training and (hf_model.is_activation_checkpointing if hasattr(
@@ -1151,10 +1033,10 @@ def response_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch
             rest = model(input_ids=input_ids[:, P:], attention_mask=attention_mask,
                          position_ids=position_ids(attention_mask)[:, P:], **{CACHE: cache}, use_cache=True,
                          output_hidden_states=True, **forward_kwargs)
-            return torch.cat([first.hidden_states[-1][row_prompt, -1:], rest.hidden_states[-1][:, :-1]], 1)
+            return F.pad(torch.cat([first.hidden_states[-1][row_prompt, -1:], rest.hidden_states[-1][:, :-1]], 1), cut)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                 use_cache=False, output_hidden_states=True, **forward_kwargs)
-    return out.hidden_states[-1][:, P - 1 : -1]
+    return F.pad(out.hidden_states[-1][:, P - 1 : -1], cut)
 
 
 def _token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, model, temperature: float, entropy: bool
@@ -1174,38 +1056,77 @@ def _token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, model, temperat
 def get_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, temperature: float,
                  chunk_size: int | None = None, entropy: bool = True, recompute_above: int = 2**27
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (B, L) in fp32 of the response tokens under `model` (DDP-wrapped or not), and their entropy
-    (without gradient; None unless `entropy`), both 0 after EOS. With gradients and up to `recompute_above` logits
-    (512 MB in fp32) the logits are one product kept for backward; else chunks of `chunk_size` positions (2^25
-    logits), recomputed in backward, so that the whole (B, L, V) log-softmax never exists at once."""
+    """Per-token log-probs (B, L) in fp32 of the response tokens, and their entropy (no gradient), 0 after EOS; the LM
+    head on real tokens only. With gradients and up to `recompute_above` logits (512 MB) the logits are kept for the
+    backward; else chunks of `chunk_size` positions (2^25 logits), recomputed: the whole (N, V) never at once."""
     hidden = response_hidden_states(model, input_ids, attention_mask, prompt_length, logits_to_keep=1)  # (B, L, H)
-    B, L, H = hidden.shape
-    hidden, targets = hidden.reshape(B * L, H), input_ids[:, prompt_length:].reshape(B * L)
-    vocab_size = unwrap(model).get_output_embeddings().weight.shape[0]
-    recompute = torch.is_grad_enabled() and B * L * vocab_size > recompute_above
-    kept = torch.is_grad_enabled() and not recompute
-    chunk_size = chunk_size or (max(1, B * L) if kept else max(1, 2**25 // vocab_size))  # positions per chunk
+    real = attention_mask[:, prompt_length:].bool()  # (B, L) 0 after EOS: those positions are set to 0
+    hidden, targets = hidden[real], input_ids[:, prompt_length:][real]  # (N, H), (N,)
+    N, vocab_size = len(targets), unwrap(model).get_output_embeddings().weight.shape[0]
+    recompute = torch.is_grad_enabled() and N * vocab_size > recompute_above
+    chunk_size = chunk_size or (max(1, N) if torch.is_grad_enabled() and not recompute else max(1, 2**25 // vocab_size))
     chunk = functools.partial(checkpoint, _token_logprobs, use_reentrant=False) if recompute else _token_logprobs
     logprobs, entropies = zip(*[chunk(hidden[i : i + chunk_size], targets[i : i + chunk_size], model, temperature,
-                                      entropy) for i in range(0, B * L, chunk_size)])  # each chunk's (N,), (N,)
-    real = attention_mask[:, prompt_length:]  # (B, L) 0 after EOS: those positions are set to 0, not garbage
-    return torch.cat(logprobs).view(B, L) * real, torch.cat(entropies).view(B, L) * real if entropy else None
+                                      entropy) for i in range(0, max(N, 1), chunk_size)])  # each chunk's (n,), (n,)
+    logprobs = torch.cat(logprobs)
+    zeros = logprobs.new_zeros(real.shape)  # (B, L), the real positions filled in as they were taken, row by row
+    return zeros.masked_scatter(real, logprobs), zeros.masked_scatter(real, torch.cat(entropies)) if entropy else None
+
+
+def micro_batches(rows: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, size: int,
+                  max_tokens: int | None = None, group_size: int = 1, whole: bool = False) -> list[torch.Tensor]:
+    """`rows` (indices, ascending) in micro-batches of at most `size` rows: in their order, or with `max_tokens` longest
+    first, each filled up to `max_tokens` positions (rows x (widest prompt + longest response); a longer row alone).
+    Rows go one by one, or by group (rows j G .. j G + G - 1 share a prompt, which a forward runs once), whichever
+    computes fewer positions: groups for long prompts, rows for long, uneven responses; groups always with `whole` (a
+    loss per group). Every rank gets as many (forwards and gradient syncs are collective): fewer, the largest halved."""
+    if max_tokens is None or not len(rows):
+        return [idx for idx in rows.split(size) if len(idx)]
+    ids, P = rows.tolist(), prompt_length
+    lengths = list(zip(attention_mask[rows, :P].sum(-1).tolist(), attention_mask[rows, P:].sum(-1).tolist()))
+
+    def widths(batch: list[list[int]]) -> tuple[int, int]:  # widest prompt, longest response of lists of rows
+        return tuple(max(lengths[i][k] for unit in batch for i in unit) for k in (0, 1))
+
+    def pack(unit: int) -> list[list[list[int]]]:  # micro-batches of units: lists of rows (positions in `ids`)
+        batches = []
+        for u in sorted([list(u) for _, u in itertools.groupby(range(len(ids)), lambda i: ids[i] // unit)],
+                        key=lambda u: -sum(widths([u]))):
+            n = sum(map(len, batches[-1])) + len(u) if batches else 0
+            if not batches or n > size or n * sum(widths(batches[-1] + [u])) > max_tokens:
+                batches.append([])
+            batches[-1].append(u)
+        return batches
+
+    def positions(batches: list[list[list[int]]]) -> int:  # what the forwards compute: a group's prompt once
+        return sum(len({ids[u[0]] // group_size for u in b}) * widths(b)[0] + sum(map(len, b)) * widths(b)[1]
+                   for b in batches)
+
+    batches = min([pack(group_size)] + [pack(1)] * (not whole), key=positions)
+    most = int(all_reduce(torch.tensor(len(batches), device=current_device()), "max"))
+    while len(batches) < most:  # as many as the rank with the most: halve the one with the most rows
+        batch = batches.pop(max(range(len(batches)), key=lambda k: sum(map(len, batches[k]))))
+        batch = batch if len(batch) > 1 or whole else [[i] for i in batch[0]]  # (one group's rows: apart)
+        batches += [batch[: len(batch) // 2], batch[len(batch) // 2 :]]
+    return [rows[sorted(i for u in batch for i in u)] for batch in batches]
 
 
 @torch.no_grad()
-def rollout_logprobs(model, rollout: Rollout, temperature: float, micro_batch_size: int) -> torch.Tensor:
-    """Log-probs (B, L), no entropy, of a rollout's responses, `micro_batch_size` rows at a time ((0, L) if empty)."""
-    ids, mask, n = rollout.input_ids, rollout.attention_mask, micro_batch_size
-    return torch.cat([get_logprobs(model, ids[i : i + n], mask[i : i + n], rollout.prompt_length, temperature,
-                                   entropy=False)[0] for i in range(0, len(ids), n)] or [rollout.response_mask.float()])
+def rollout_logprobs(model, rollout: Rollout, temperature: float, micro_batch_size: int,
+                     max_tokens: int | None = None, group_size: int = 1) -> torch.Tensor:
+    """Log-probs (B, L), no entropy, of a rollout's responses, by `micro_batches`."""
+    ids, mask, P = rollout.input_ids, rollout.attention_mask, rollout.prompt_length
+    logprobs = torch.zeros_like(rollout.response_mask, dtype=torch.float32)
+    for idx in micro_batches(torch.arange(len(ids), device=ids.device), mask, P, micro_batch_size, max_tokens,
+                             group_size):
+        logprobs[idx] = get_logprobs(model, ids[idx], mask[idx], P, temperature, entropy=False)[0]
+    return logprobs
 
 
 def sampler_logprob_gap(sampler_logprobs: torch.Tensor, logprobs: torch.Tensor, response_mask: torch.Tensor,
                         correction: str = "none", cap: float = 2.0) -> dict[str, torch.Tensor]:
-    """How far the trainer's log-probs (B, L) of the sampled tokens are from the sampler's, over every rank's response
-    tokens: `policy/sampler_logprob_gap` (mean |difference|) and `_max`, ~1e-6 when the two compute the same
-    distribution in fp32. With a `correction`, what it did: the mean of its weights, and the share of response tokens
-    and of completions (any of their tokens) truncated (*tis: below the uncapped ratio) or masked (*mis: weight 0)."""
+    """How far the trainer's log-probs (B, L) are from the sampler's over every rank: mean |difference| (~1e-6 in fp32)
+    and max; with a `correction` its mean weight and the shares of tokens and completions it truncated or masked."""
     mask = response_mask.bool()
     difference = torch.where(mask, (sampler_logprobs - logprobs).abs(), 0.0).double()  # (B, L)
     sums = [difference.sum(), mask.sum().double()]
@@ -1230,8 +1151,7 @@ def rollout_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, 
     trainer (vLLM: bf16, its own kernels) draws from pi_s, not pi_old, even at the same weights, so each token's loss
     is weighted by its ratio w_t = pi_old / pi_s, or by its completion's (in log space, within e^+-20 as verl does):
       "tis"      min(w_t, C): truncated importance sampling (Yao et al. 2025; TRL's token_truncate)
-      "mis"      1 where 1/C <= w_t <= C, else 0: verl's token-level rejection (token_k1); IcePop and TRL's
-                 token_mask keep w_t on the kept tokens instead of 1
+      "mis"      1 where 1/C <= w_t <= C, else 0: verl's token_k1 (IcePop, TRL's token_mask: w_t where kept)
       "seq-tis"  min(prod_t w_t, C) on every token of the completion (verl's rollout_is="sequence")
       "seq-mis"  1 where 1/C <= prod_t w_t <= C, else 0: the completion left out (verl's seq_sum_k1)
       "geo-mis"  the same for exp(mean_t log w_t), which does not grow with the length (verl's seq_mean_k1)"""
@@ -1248,61 +1168,46 @@ def rollout_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, 
 
 
 def reweighted(logprobs: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    """`logprobs` (B, L) with the same values (lp + w * 0), each token's gradient times its weight (None: as they are).
-    Losses reach the weights through the log-probs only: every term is weighted, the normaliser stays as it is."""
+    """`logprobs` (B, L), the same values, each token's gradient times its weight (every term; not the normaliser)."""
     return logprobs if weights is None else logprobs.detach() + weights * (logprobs - logprobs.detach())
 
 
 # 7. Metrics and logging -----------------------------------------------------------------------------------------
 
 
-def mean_metrics(dicts: list[dict[str, float | torch.Tensor]]) -> dict[str, float | torch.Tensor]:
-    """Average each key over the dicts that have it (e.g. per-micro-batch metrics of a step)."""
-    keys = dict.fromkeys(key for d in dicts for key in d)
-    return {key: sum(d[key] for d in dicts if key in d) / sum(key in d for d in dicts) for key in keys}
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of x over the positions where mask is 1 (0 when there are none), without gradient."""
-    return ((x * mask).sum() / mask.sum().clamp(min=1)).detach()
-
-
 def step_metrics(rewards: torch.Tensor, components: dict[str, torch.Tensor], rollout: Rollout,
                  times: dict[str, float], step_start: float) -> dict[str, float | torch.Tensor]:
-    """What a step sampled (rewards, response lengths, truncation; the mean length of correct and of wrong
-    completions, and the share that write 'wait' and how often those are right, summed over ranks: NaN when
-    none) and what it cost (seconds of each timed part, tokens per second: this rank's times the ranks, so that
-    the mean over ranks is the step's; peak memory)."""
-    lengths, step_s = rollout.response_mask.sum(-1).double(), time.perf_counter() - step_start
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    right = components["correct"].to(lengths.device).double()
+    """What a step sampled over every rank (rewards, lengths of right and wrong completions, the share that write 'wait'
+    and how often those are right: NaN when none) and cost (seconds; tokens/s: this rank's times the ranks)."""
+    lengths, step_s, world_size = rollout.response_mask.sum(-1).double(), time.perf_counter() - step_start, \
+        dist.get_world_size() if dist.is_initialized() else 1
+    right, r = (x.to(lengths.device).double() for x in (components["correct"], rewards))
     wait = torch.tensor([re.search(r"\bwait\b", t, re.IGNORECASE) is not None for t in rollout.texts],
                         dtype=torch.float64, device=lengths.device)
     sums = all_reduce(torch.stack([lengths @ right, right.sum(), lengths @ (1 - right), (1 - right).sum(),
-                                   wait.sum(), wait @ right, lengths.new_tensor(len(wait))]))
-    return {"reward/mean": rewards.mean(), "reward/std": rewards.std(),
-            **{f"reward/{name}": value.mean() for name, value in components.items()},
-            "response/length_mean": lengths.mean(), "response/truncated_frac": rollout.truncated.float().mean(),
+                                   wait.sum(), wait @ right, lengths.new_tensor(len(wait)), r.sum(), r @ r]))
+    return {"reward/mean": (rewards.sum(), len(rewards)),  # a (sum, count) pair: `add_metrics`
+            "reward/std": ((sums[8] - sums[7] ** 2 / sums[6]) / (sums[6] - 1)).clamp(min=0).sqrt(),  # unbiased
+            **{f"reward/{name}": (value.sum(), len(value)) for name, value in components.items()},
+            "response/length_mean": (lengths.sum(), len(lengths)),
+            "response/truncated_frac": (rollout.truncated.sum(), len(lengths)),
             "response/length_correct": sums[0] / sums[1], "response/length_wrong": sums[2] / sums[3],
             "task/self_correction_frac": sums[4] / sums[6], "task/self_correction_accuracy": sums[5] / sums[4],
             "perf/step_s": step_s, **{f"perf/{name}_s": seconds for name, seconds in times.items()},
             "perf/tokens_per_s": lengths.sum() * world_size / step_s,
             "perf/peak_mem_gb": peak_memory_gb(rollout.response_mask.device),
-            **({} if rollout.turns is None else {"env/turns": rollout.turns.double().mean(), "env/observation_tokens":
-                (rollout.attention_mask[:, rollout.prompt_length:].sum(-1) - lengths).mean()})}
+            **({} if rollout.turns is None else {"env/turns": (rollout.turns.sum(), len(lengths)),
+                "env/observation_tokens": (rollout.attention_mask[:, rollout.prompt_length:].sum() - lengths.sum(),
+                                           len(lengths))})}
 
 
 def peak_memory_gb(device: torch.device) -> float:
-    """Peak accelerator memory allocated, or this process's peak resident memory on CPU."""
-    return (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()) / 2**30
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory: /proc's VmHWM, as Linux carries `ru_maxrss` over fork and exec (a
-    process started by a larger one would report that one's); ru_maxrss elsewhere (bytes on macOS)."""
-    if not (status := Path("/proc/self/status")).exists():
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return next(int(line.split()[1]) for line in status.read_text().splitlines() if line.startswith("VmHWM:")) * 1024
+    """Peak accelerator memory allocated, or on CPU this process's peak resident memory: /proc's VmHWM (Linux carries
+    `ru_maxrss` over fork and exec: a process started by a larger one would report that one's), else ru_maxrss."""
+    if device.type == "cuda" or not (status := Path("/proc/self/status")).exists():
+        return (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else
+                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 2**30  # (bytes on macOS)
+    return next(int(line.split()[1]) for line in status.read_text().splitlines() if line.startswith("VmHWM:")) / 2**20
 
 
 @contextlib.contextmanager
@@ -1314,8 +1219,7 @@ def timed(seconds: dict[str, float], name: str):
 
 
 class Logger:
-    """Each step's metrics averaged over ranks (call it on every rank; rank 0 writes): a line on stdout with the ETA,
-    a JSON line in <run_dir>/metrics.jsonl (NaN, inf: null), TensorBoard if installed, W&B with `track`; config.json."""
+    """A step's metrics over ranks (rank 0 writes): stdout, metrics.jsonl (NaN: null), TensorBoard, W&B; config.json."""
 
     SHOWN = ("reward/mean", "eval/accuracy", "eval/accuracy_greedy", "loss/policy", "policy/clipfrac", "perf/step_s")
 
@@ -1373,16 +1277,14 @@ _held_locks = {}  # run folder -> its open lock file, held by this process until
 
 
 def prepare_run_dir(run_info: dict, rank: int) -> tuple[Path, Path | None]:
-    """(the run's folder, the checkpoint to resume from or None), the same on every rank; nothing is written yet.
-    run_info: {"algorithm": the file's name, "config": asdict(args)}. A run writes to <output-dir>/<run-name>, but
-    `--resume <run>/step_N` without --run-name goes on in <run> if step_N is its newest; other resumes start anew."""
+    """(run folder, checkpoint to resume from or None) on every rank, writing nothing; run_info: {"algorithm": the
+    file, "config": asdict(args)}. <output-dir>/<run-name>, or <run> for --resume <run>/step_N, its newest, alone."""
     return _on_rank_0(_find_run_dir, rank, run_info)
 
 
 def claim_run_dir(run_dir: Path, checkpoint: Path | None, rank: int) -> None:
-    """Take run_dir before anything is written there: created and locked (flock, freed by the OS when the process
-    ends, even killed): a second run of that name stops here. metrics.jsonl keeps the checkpoint's run's lines before
-    its step (none for a new run; the old file moved aside). From here a Ctrl-C prints how to go on, not a traceback."""
+    """Take run_dir, created and locked (flock: a second run there stops), metrics.jsonl cut to the checkpoint's step
+    (the rest moved aside); from here a Ctrl-C prints how to go on, not a traceback."""
     _on_rank_0(_claim, rank, run_dir, checkpoint)
     sys.excepthook = functools.partial(_explain_interrupt, sys.excepthook, run_dir, rank)
 
@@ -1545,12 +1447,10 @@ def _check_same_run(checkpoint: Path, run_info: dict) -> None:
 
 def save_checkpoint(path: Path, modules: dict[str, torch.nn.Module], tokenizer, rank: int, run_info: dict,
                     optimizer=None, step: int = 0, extra: dict | None = None, keep: int = 0) -> None:
-    """Write a checkpoint folder (call on every rank): the policy and tokenizer as `save_pretrained` writes them (FSDP:
-    gathered to rank 0's CPU; LoRA: the adapters in adapter/, and in final/ the merged model too), checkpoint.json;
-    with an optimizer the resumable state: every module's trained weights and the optimizer state in training_state/
-    (DCP: each rank its shards), each rank's RNG states and algorithm state `extra` in rank_<r>.safetensors. Written
-    into `<path>.tmp`, synced and renamed once every rank is done: a crash never leaves a partial `path` (a failed
-    write or Ctrl-C removes the .tmp). A folder at `path` is moved aside; `keep` > 0 keeps the newest `keep` steps."""
+    """Write a checkpoint folder (on every rank): the policy and tokenizer by `save_pretrained` (FSDP: gathered; LoRA:
+    adapter/, in final/ merged too), checkpoint.json; with an optimizer the resumable state: weights and optimizer in
+    training_state/ (DCP: each rank its shards), each rank's RNG and `extra` in rank_<r>.safetensors. Written into
+    `<path>.tmp`, renamed once all is synced (a crash leaves no partial `path`); `keep` > 0: the newest `keep` steps."""
     path, distributed = Path(path), dist.is_initialized()
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -1622,8 +1522,7 @@ def _save_training_state(tmp: Path, modules: dict[str, torch.nn.Module], optimiz
 
 
 def _training_state(modules: dict[str, torch.nn.Module], optimizer) -> dict:
-    """The resumable state, tensors only: every module's trained weights (LoRA: the adapters; the frozen rest is
-    --model's), each rank's own (FSDP: its shards), a tied weight once; the optimizer's per-parameter state."""
+    """The resumable state: trained weights (LoRA: adapters; FSDP: this rank's shards; tied ones once), optimizer's."""
     model = torch.nn.ModuleDict(modules)  # names the tensors "policy.<...>", "critic.<...>"
 
     def where(tensor: torch.Tensor) -> tuple | None:  # None for an empty shard
@@ -1641,8 +1540,7 @@ def _training_state(modules: dict[str, torch.nn.Module], optimizer) -> dict:
 
 
 def _flatten(value, tensors: dict, key: str):
-    """`value` (numbers, text, tensors, Rollouts, in lists and dicts) as JSON, each tensor replaced by
-    {"tensor": its key in `tensors`}; `_unflatten` reverses it."""
+    """`value` (lists, dicts, Rollouts) as JSON, each tensor {"tensor": its key in `tensors`}; `_unflatten`: back."""
     if isinstance(value, torch.Tensor):
         tensors[key] = value.detach().cpu().clone()
         return {"tensor": key}
@@ -1670,10 +1568,8 @@ def _unflatten(value, tensors: dict):
 
 def load_checkpoint(path: Path | None, modules: dict[str, torch.nn.Module], optimizer, rank: int
                     ) -> tuple[int, dict]:
-    """Restore what `save_checkpoint` wrote, in place (each rank its own shards), and this rank's RNG state: (the step
-    to go on from, this rank's algorithm state); (0, {}) for `path` None, a new run. Nothing is unpickled. The ranks
-    must be as many as saved: DCP could reshard weights and optimizer, but each rank's sampling stream and algorithm
-    state (GVPO's replayed groups) have no counterpart on another count; a resumed run is the one that stopped."""
+    """Restore what `save_checkpoint` wrote, in place, and this rank's RNG: (the step to go on from, its algo state);
+    (0, {}) for None. Nothing is unpickled. As many ranks as saved: a rank's sampling and state are its own."""
     if path is None:
         return 0, {}
     model, state, device = torch.nn.ModuleDict(modules), _training_state(modules, optimizer), current_device()

@@ -42,8 +42,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from common import (
     Logger,
     UsageError,
-    VllmEngine,
     add_lora,
+    add_metrics,
     all_reduce,
     check_flags,
     claim_run_dir,
@@ -58,8 +58,8 @@ from common import (
     load_model,
     load_reference,
     load_task,
-    masked_mean,
-    mean_metrics,
+    load_vllm,
+    micro_batches,
     no_sync,
     prepare_run_dir,
     print0,
@@ -187,6 +187,10 @@ class OptimizationFlags:
     """optimizer steps per pass over the rollout"""
     micro_batch_size: Optional[int] = None
     """sequences per forward/backward on each rank, accumulated up to the minibatch; left out: the whole minibatch"""
+    max_tokens_per_micro_batch: Optional[int] = None
+    """also at most this many positions per forward (rows x (widest prompt + longest response)): rows sorted by
+    length, longest first (whole groups where their shared prompt costs less), so that micro-batches carry little
+    padding, as verl's ppo_max_token_len_per_gpu; a longer row runs alone; left out: rows in their order"""
     fsdp: bool = False
     """shard weights, gradients and optimizer state over the ranks (FSDP2; bf16 compute on GPU) instead of DDP"""
     dist_timeout: float = 60.0
@@ -272,16 +276,16 @@ def compute_loss(
     token_count = response_mask.sum(-1).clamp(min=1)  # (B,) |o_i|, EOS included: only for the metrics
     loss = ((pg_losses + beta * kl) * response_mask).sum() / (num_sequences * max_new_tokens)  # not / |o_i|
 
-    with torch.no_grad():
-        n = response_mask.sum().clamp(min=1)
+    with torch.no_grad():  # each metric a (sum, count), added up over the step's micro-batches and ranks, then divided
+        n, B = response_mask.sum(), len(token_count)  # (tensors: the caller syncs them with the device once a step)
         clipped = (ratio - 1).abs() > clip_eps
-        metrics = {  # tensors: the caller syncs them with the device once per step
-            "loss/policy": ((pg_losses * response_mask).sum(-1) / token_count).mean(),
-            "loss/kl": ((kl * response_mask).sum(-1) / token_count).mean(),
-            "policy/clipfrac": (clipped.float() * response_mask).sum() / n,
-            "policy/clipfrac_low": ((ratio < 1 - clip_eps).float() * response_mask).sum() / n,  # below 1 - eps
-            "policy/clipfrac_high": ((ratio > 1 + clip_eps).float() * response_mask).sum() / n,  # above 1 + eps
-            "policy/approx_kl": (((ratio - 1) - torch.log(ratio)) * response_mask).sum() / n,
+        metrics = {
+            "loss/policy": (((pg_losses * response_mask).sum(-1) / token_count).sum(), B),  # a mean over sequences
+            "loss/kl": (((kl * response_mask).sum(-1) / token_count).sum(), B),
+            "policy/clipfrac": ((clipped.float() * response_mask).sum(), n),
+            "policy/clipfrac_low": (((ratio < 1 - clip_eps).float() * response_mask).sum(), n),  # below 1 - eps
+            "policy/clipfrac_high": (((ratio > 1 + clip_eps).float() * response_mask).sum(), n),  # above 1 + eps
+            "policy/approx_kl": ((((ratio - 1) - torch.log(ratio)) * response_mask).sum(), n),
         }
     return loss, metrics
 
@@ -323,8 +327,7 @@ def main(args: Args) -> None:
     wrapped = {name: DDP(m) if args.world_size > 1 and not args.fsdp else m for name, m in trained.items()}
     model = wrapped["policy"]
     # The sampler: model.generate, or a vLLM engine on this rank's device that gets the policy's weights
-    vllm = VllmEngine(args.model, args.dtype, args.seed + rank, optimizer, args.vllm_gpu_memory,
-                      args.vllm_keep_weights) if args.vllm else None
+    vllm = load_vllm(args, rank, optimizer)
     claim_run_dir(run_dir, resume_dir, rank)  # created and locked: from here on this run writes there
     logger = Logger(run_dir, asdict(args), rank, args.track, args.num_steps)
     print0(f"{args.prompts_per_step} prompts x {args.group_size} completions per step on {args.world_size} rank(s)")
@@ -357,15 +360,17 @@ def main(args: Args) -> None:
         # ---
         with timed(times, "logprobs"):
             b_old_logprobs = (torch.zeros_like(b_response_mask) if old_in_pass_1  # (B, T), filled in by pass 1
-                              else rollout_logprobs(model, b_rollout, args.temperature, args.micro_batch_size))
+                              else rollout_logprobs(model, b_rollout, args.temperature, args.micro_batch_size,
+                                                    args.max_tokens_per_micro_batch, args.group_size))
             # --- algorithm: the reference model's log-probs, for the KL penalty ---
             b_ref_logprobs = None
             if ref_policy is not None:
-                b_ref_logprobs = rollout_logprobs(ref_policy, b_rollout, args.temperature, args.micro_batch_size)
+                b_ref_logprobs = rollout_logprobs(ref_policy, b_rollout, args.temperature, args.micro_batch_size,
+                                                  args.max_tokens_per_micro_batch, args.group_size)
             # ---
 
         # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
-        update_start, update_metrics = time.perf_counter(), []
+        update_start, update_metrics = time.perf_counter(), {}  # (sum, count) of each metric: `add_metrics`
         minibatch_size = max(1, -(-len(b_ids) // args.num_minibatches))  # ceil: a batch of any size splits
         for epoch in range(args.updates_per_rollout):
             # --- algorithm: the minibatches: a fresh shuffle of the sequences each pass ---
@@ -373,13 +378,14 @@ def main(args: Args) -> None:
             # ---
             for start in range(0, len(b_ids), minibatch_size):  # none when the batch is empty
                 mb_idx = b_order[start : start + minibatch_size].sort().values  # sorted: a group's rows together
-                # --- algorithm: the loss is a mean over the optimizer step's sequences, on every rank ---
+                # --- algorithm: the loss is a mean over the step's sequences, on every rank; micro-batches ---
                 num_sequences = all_reduce((b_response_mask[mb_idx].sum(-1) > 0).sum()) / args.world_size
+                parts = micro_batches(mb_idx, b_attention_mask, b_rollout.prompt_length, args.micro_batch_size,
+                                      args.max_tokens_per_micro_batch, args.group_size)  # as many on every rank
                 # ---
-                micro_batches = mb_idx.split(args.micro_batch_size)  # a prompt runs once per micro-batch
-                for k, idx in enumerate(micro_batches):
+                for k, idx in enumerate(parts):
                     # Gradients are synced over ranks once per optimizer step, on the last micro-batch.
-                    with no_sync(wrapped.values(), last=k == len(micro_batches) - 1):
+                    with no_sync(wrapped.values(), last=k == len(parts) - 1):
                         logprobs, entropy = get_logprobs(model, b_ids[idx], b_attention_mask[idx],
                                                          b_rollout.prompt_length, args.temperature)
                         b_old_logprobs[idx] = logprobs.detach() if old_in_pass_1 and epoch == 0 else b_old_logprobs[idx]
@@ -394,12 +400,12 @@ def main(args: Args) -> None:
                             args.clip_eps, args.beta)
                         # ---
                         loss.backward()
-                    mb_metrics["policy/entropy"] = masked_mean(entropy, b_response_mask[idx])
-                    update_metrics.append(mb_metrics)
+                    mb_metrics["policy/entropy"] = ((entropy * b_response_mask[idx]).sum(), b_response_mask[idx].sum())
+                    add_metrics(update_metrics, mb_metrics)
                 grad_norm = clip_grad_norm(policy.parameters(), args.max_grad_norm, step, run_dir)  # or stops the run
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                update_metrics.append({"policy/grad_norm": grad_norm})
+                add_metrics(update_metrics, {"policy/grad_norm": grad_norm})
         times["update"] = time.perf_counter() - update_start
 
         # --- algorithm: the sampler guard, on the completions this policy sampled ---
@@ -409,7 +415,7 @@ def main(args: Args) -> None:
         # ---
 
         # 7. log, evaluate, checkpoint
-        metrics.update(mean_metrics(update_metrics))
+        metrics.update(update_metrics)
         logger.log(step, {**metrics, **step_metrics(rewards, components, rollout, times, step_start)})
         if args.save_every and (step + 1) % args.save_every == 0:
             save_checkpoint(run_dir / f"step_{step + 1}", trained, tokenizer, rank, run_info, optimizer, step + 1,

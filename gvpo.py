@@ -60,8 +60,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from common import (
     Logger,
     UsageError,
-    VllmEngine,
     add_lora,
+    add_metrics,
     all_reduce,
     cat_rollouts,
     check_flags,
@@ -74,13 +74,13 @@ from common import (
     format_prompt,
     generate,
     get_logprobs,
-    given_rollout,
     load_checkpoint,
     load_model,
     load_task,
-    masked_mean,
-    mean_metrics,
+    load_vllm,
+    micro_batches,
     no_sync,
+    pack,
     prepare_run_dir,
     print0,
     prompt_batch,
@@ -208,6 +208,10 @@ class OptimizationFlags:
     """optimizer steps per pass over the rollout"""
     micro_batch_size: Optional[int] = None
     """sequences per forward/backward on each rank, accumulated up to the minibatch; left out: the whole minibatch"""
+    max_tokens_per_micro_batch: Optional[int] = None
+    """also at most this many positions per forward (rows x (widest prompt + longest response)): rows sorted by
+    length, longest first (whole groups where their shared prompt costs less), so that micro-batches carry little
+    padding, as verl's ppo_max_token_len_per_gpu; a longer row runs alone; left out: rows in their order"""
     fsdp: bool = False
     """shard weights, gradients and optimizer state over the ranks (FSDP2; bf16 compute on GPU) instead of DDP"""
     dist_timeout: float = 60.0
@@ -289,13 +293,13 @@ def compute_loss(
     group_loss = 0.5 * (e**2).sum(dim=1) / (group_size - 1)  # (B/k,) unbiased group variance of R_theta - R
     loss = group_loss.sum() / num_groups
 
-    with torch.no_grad():
-        n = response_mask.sum().clamp(min=1)
+    with torch.no_grad():  # each metric a (sum, count), added up over the step's micro-batches and ranks, then divided
+        n = response_mask.sum()  # (tensors: the caller syncs them with the device once a step)
         ratio = torch.exp(logprobs - anchor_logprobs)
-        metrics = {  # tensors: the caller syncs them with the device once per step
-            "loss/policy": group_loss.mean(),
-            "algo/implicit_reward_std": (beta * a).std() if a.numel() > 1 else a.new_zeros(()),
-            "policy/approx_kl": (((ratio - 1) - torch.log(ratio)) * response_mask).sum() / n,
+        metrics = {
+            "loss/policy": (group_loss.sum(), len(group_loss)),  # a mean over groups
+            "algo/implicit_reward_abs": ((beta * a).abs().sum(), a.numel()),  # a mean over completions
+            "policy/approx_kl": ((((ratio - 1) - torch.log(ratio)) * response_mask).sum(), n),
         }
     return loss, metrics
 
@@ -309,6 +313,18 @@ def update_beta(beta: float, kl: float, target_kl: float) -> float:
     if kl > target_kl * 1.5:
         return beta * 2
     return beta
+
+
+def given_rollout(tokenizer, prompts: list[str], completions: list[str], max_new_tokens: int,
+                  device: torch.device):
+    """--demos-per-group's rows: a Rollout of given completions (one per formatted prompt), as `common.generate` would
+    return it had it sampled them: each with EOS after it, cut at `max_new_tokens` (then truncated). Nothing sampled
+    them: their sampler log-probs are 0."""
+    ids = [x[:max_new_tokens] for x in tokenizer([c + tokenizer.eos_token for c in completions],
+                                                  add_special_tokens=False).input_ids]
+    return pack(tokenizer, tokenizer(prompts, add_special_tokens=False).input_ids, ids, [[1] * len(x) for x in ids],
+                [[0.0] * len(x) for x in ids], tokenizer.batch_decode(ids, skip_special_tokens=True),
+                [x[-1] != tokenizer.eos_token_id for x in ids], device=device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,8 +376,7 @@ def main(args: Args) -> None:
     wrapped = {name: DDP(m) if args.world_size > 1 and not args.fsdp else m for name, m in trained.items()}
     model = wrapped["policy"]
     # The sampler: model.generate, or a vLLM engine on this rank's device that gets the policy's weights
-    vllm = VllmEngine(args.model, args.dtype, args.seed + rank, optimizer, args.vllm_gpu_memory,
-                      args.vllm_keep_weights) if args.vllm else None
+    vllm = load_vllm(args, rank, optimizer)
     claim_run_dir(run_dir, resume_dir, rank)  # created and locked: from here on this run writes there
     logger = Logger(run_dir, asdict(args), rank, args.track, args.num_steps)
     print0(f"{args.prompts_per_step} prompts x {args.group_size} completions per step on {args.world_size} rank(s)")
@@ -416,10 +431,11 @@ def main(args: Args) -> None:
         # ---
         with timed(times, "logprobs"):
             b_old_logprobs = (torch.zeros_like(b_response_mask) if old_in_pass_1  # (B, T), filled in by pass 1
-                              else rollout_logprobs(model, b_rollout, args.temperature, args.micro_batch_size))
+                              else rollout_logprobs(model, b_rollout, args.temperature, args.micro_batch_size,
+                                                    args.max_tokens_per_micro_batch, args.group_size))
 
         # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
-        update_start, update_metrics = time.perf_counter(), []
+        update_start, update_metrics = time.perf_counter(), {}  # (sum, count) of each metric: `add_metrics`
         minibatch_size = max(1, -(-len(b_ids) // args.num_minibatches))  # ceil: a batch of any size splits
         for epoch in range(args.updates_per_rollout):
             # --- algorithm: the minibatches: whole groups shuffled, never lone completions ---
@@ -428,13 +444,15 @@ def main(args: Args) -> None:
             # ---
             for start in range(0, len(b_ids), minibatch_size):  # none when the batch is empty
                 mb_idx = b_order[start : start + minibatch_size].sort().values  # sorted: a group's rows together
-                # --- algorithm: the loss is a mean over the optimizer step's groups (as many on every rank) ---
+                # --- algorithm: the loss is a mean over the step's groups (as many on every rank), each whole in
+                # a micro-batch ---
                 num_groups = len(mb_idx) // args.group_size
+                parts = micro_batches(mb_idx, b_attention_mask, b_rollout.prompt_length, args.micro_batch_size,
+                                      args.max_tokens_per_micro_batch, args.group_size, whole=True)
                 # ---
-                micro_batches = mb_idx.split(args.micro_batch_size)  # a prompt runs once per micro-batch
-                for k, idx in enumerate(micro_batches):
+                for k, idx in enumerate(parts):
                     # Gradients are synced over ranks once per optimizer step, on the last micro-batch.
-                    with no_sync(wrapped.values(), last=k == len(micro_batches) - 1):
+                    with no_sync(wrapped.values(), last=k == len(parts) - 1):
                         logprobs, entropy = get_logprobs(model, b_ids[idx], b_attention_mask[idx],
                                                          b_rollout.prompt_length, args.temperature)
                         b_old_logprobs[idx] = logprobs.detach() if old_in_pass_1 and epoch == 0 else b_old_logprobs[idx]
@@ -456,12 +474,12 @@ def main(args: Args) -> None:
                         loss = loss / state["beta"] if args.target_kl else loss
                         # ---
                         loss.backward()
-                    mb_metrics["policy/entropy"] = masked_mean(entropy, b_response_mask[idx])
-                    update_metrics.append(mb_metrics)
+                    mb_metrics["policy/entropy"] = ((entropy * b_response_mask[idx]).sum(), b_response_mask[idx].sum())
+                    add_metrics(update_metrics, mb_metrics)
                 grad_norm = clip_grad_norm(policy.parameters(), args.max_grad_norm, step, run_dir)  # or stops the run
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                update_metrics.append({"policy/grad_norm": grad_norm})
+                add_metrics(update_metrics, {"policy/grad_norm": grad_norm})
         times["update"] = time.perf_counter() - update_start
         # --- algorithm: this step's groups, kept for the next --reuse-steps steps; --target-kl's next beta ---
         L = rollout.response_mask.shape[1]
@@ -472,7 +490,8 @@ def main(args: Args) -> None:
         metrics["algo/beta"] = state["beta"]
         if args.target_kl:  # the next step's beta, from KL(pi_anchor || pi_theta) on this step's own samples
             with torch.no_grad():  # a forward pass more, of the updated policy
-                log_ratio = rollout_logprobs(model, b_rollout, args.temperature, args.micro_batch_size) - b_old_logprobs
+                log_ratio = rollout_logprobs(model, b_rollout, args.temperature, args.micro_batch_size,
+                                             args.max_tokens_per_micro_batch, args.group_size) - b_old_logprobs
             kl = ((log_ratio.exp() - 1 - log_ratio) * b_response_mask).sum(-1)[b_sampled_now]  # (n,) k3 per completion
             kl_sum, count = all_reduce(torch.stack([kl.sum(), kl.new_tensor(len(kl))])).tolist()
             metrics["algo/kl_to_anchor"] = kl_sum / max(count, 1)
@@ -491,7 +510,7 @@ def main(args: Args) -> None:
         # ---
 
         # 7. log, evaluate, checkpoint
-        metrics.update(mean_metrics(update_metrics))
+        metrics.update(update_metrics)
         logger.log(step, {**metrics, **step_metrics(rewards, components, rollout, times, step_start)})
         if args.save_every and (step + 1) % args.save_every == 0:
             save_checkpoint(run_dir / f"step_{step + 1}", trained, tokenizer, rank, run_info, optimizer, step + 1,

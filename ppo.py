@@ -45,8 +45,8 @@ from transformers import AutoModel, AutoModelForSequenceClassification
 from common import (
     Logger,
     UsageError,
-    VllmEngine,
     add_lora,
+    add_metrics,
     all_reduce,
     check_flags,
     claim_run_dir,
@@ -62,8 +62,8 @@ from common import (
     load_reference,
     load_task,
     load_tokenizer,
-    masked_mean,
-    mean_metrics,
+    load_vllm,
+    micro_batches,
     no_sync,
     prepare_run_dir,
     print0,
@@ -192,6 +192,10 @@ class OptimizationFlags:
     """optimizer steps per pass over the rollout"""
     micro_batch_size: Optional[int] = None
     """sequences per forward/backward on each rank, accumulated up to the minibatch; left out: the whole minibatch"""
+    max_tokens_per_micro_batch: Optional[int] = None
+    """also at most this many positions per forward (rows x (widest prompt + longest response)): rows sorted by
+    length, longest first (whole groups where their shared prompt costs less), so that micro-batches carry little
+    padding, as verl's ppo_max_token_len_per_gpu; a longer row runs alone; left out: rows in their order"""
     fsdp: bool = False
     """shard weights, gradients and optimizer state over the ranks (FSDP2; bf16 compute on GPU) instead of DDP"""
     dist_timeout: float = 60.0
@@ -385,13 +389,13 @@ def compute_value_loss(
     """Clipped value loss: 1/2 max((V - R)^2, (V_clip - R)^2), V_clip = V_old + clip(V - V_old, -eps_v, eps_v),
     summed over tokens and divided by `num_tokens` (the optimizer step's token count).
 
-    All (B, T) -> (loss, clipfrac): the pessimistic (larger) error is kept, so the critic gets no gradient
-    where it moved more than eps_v from the rollout's value in the direction that made its error worse."""
+    All (B, T) -> (loss, clipped): the pessimistic (larger) error is kept, so the critic gets no gradient
+    where it moved more than eps_v from the rollout's value in the direction that made its error worse; `clipped`
+    counts those tokens."""
     values_clipped = old_values + torch.clamp(values - old_values, -value_clip_eps, value_clip_eps)
     errors, errors_clipped = (values - returns) ** 2, (values_clipped - returns) ** 2
     loss = (0.5 * torch.max(errors, errors_clipped) * response_mask).sum() / num_tokens
-    clipfrac = ((errors_clipped > errors).float() * response_mask).sum() / response_mask.sum().clamp(min=1)
-    return loss, clipfrac
+    return loss, ((errors_clipped > errors).float() * response_mask).sum()
 
 
 def compute_loss(
@@ -416,20 +420,20 @@ def compute_loss(
     ratio = torch.exp(logprobs - old_logprobs)  # (B, T); exactly 1 on the first update of a rollout
     pg_losses = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps))
     pg_loss = (pg_losses * response_mask).sum() / num_tokens
-    vf_loss, vf_clipfrac = compute_value_loss(values, old_values, returns, response_mask, num_tokens, value_clip_eps)
+    vf_loss, vf_clipped = compute_value_loss(values, old_values, returns, response_mask, num_tokens, value_clip_eps)
     loss = pg_loss + vf_coef * vf_loss
 
-    with torch.no_grad():
-        n = response_mask.sum().clamp(min=1)
+    with torch.no_grad():  # each metric a (sum, count), added up over the step's micro-batches and ranks, then divided
+        n = response_mask.sum()  # (tensors: the caller syncs them with the device once a step)
         clipped = (ratio - 1).abs() > clip_eps
         metrics = {
-            "loss/policy": (pg_losses * response_mask).sum() / n,
-            "loss/value": vf_loss * num_tokens / n,
-            "policy/clipfrac": (clipped.float() * response_mask).sum() / n,
-            "policy/clipfrac_low": ((ratio < 1 - clip_eps).float() * response_mask).sum() / n,  # below 1 - eps
-            "policy/clipfrac_high": ((ratio > 1 + clip_eps).float() * response_mask).sum() / n,  # above 1 + eps
-            "policy/approx_kl": (((ratio - 1) - torch.log(ratio)) * response_mask).sum() / n,
-            "algo/value_clipfrac": vf_clipfrac,
+            "loss/policy": ((pg_losses * response_mask).sum(), n),
+            "loss/value": (vf_loss * num_tokens, n),
+            "policy/clipfrac": ((clipped.float() * response_mask).sum(), n),
+            "policy/clipfrac_low": (((ratio < 1 - clip_eps).float() * response_mask).sum(), n),  # below 1 - eps
+            "policy/clipfrac_high": (((ratio > 1 + clip_eps).float() * response_mask).sum(), n),  # above 1 + eps
+            "policy/approx_kl": ((((ratio - 1) - torch.log(ratio)) * response_mask).sum(), n),
+            "algo/value_clipfrac": (vf_clipped, n),
         }
     return loss, metrics
 
@@ -498,8 +502,7 @@ def main(args: Args) -> None:
     wrapped = {name: DDP(m) if args.world_size > 1 and not args.fsdp else m for name, m in trained.items()}
     model = wrapped["policy"]
     # The sampler: model.generate, or a vLLM engine on this rank's device that gets the policy's weights
-    vllm = VllmEngine(args.model, args.dtype, args.seed + rank, optimizer, args.vllm_gpu_memory,
-                      args.vllm_keep_weights) if args.vllm else None
+    vllm = load_vllm(args, rank, optimizer)
     # --- algorithm: the critic, as the update calls it ---
     critic_model = wrapped["critic"]
     # ---
@@ -538,16 +541,18 @@ def main(args: Args) -> None:
         # ---
         with timed(times, "logprobs"):
             b_old_logprobs = (torch.zeros_like(b_response_mask) if old_in_pass_1  # (B, T), filled in by pass 1
-                              else rollout_logprobs(model, b_rollout, args.temperature, args.micro_batch_size))
+                              else rollout_logprobs(model, b_rollout, args.temperature, args.micro_batch_size,
+                                                    args.max_tokens_per_micro_batch, args.group_size))
             # --- algorithm: the reference model's log-probs, for the KL penalty, and the critic's old values ---
             b_ref_logprobs = None
             if ref_policy is not None:
-                b_ref_logprobs = rollout_logprobs(ref_policy, b_rollout, args.temperature, args.micro_batch_size)
-            with torch.no_grad():
-                b_old_values = torch.cat([
-                    critic_model(b_ids[i : i + args.micro_batch_size], b_attention_mask[i : i + args.micro_batch_size],
-                                 b_rollout.prompt_length)
-                    for i in range(0, len(b_ids), args.micro_batch_size)])  # (B, T)
+                b_ref_logprobs = rollout_logprobs(ref_policy, b_rollout, args.temperature, args.micro_batch_size,
+                                                  args.max_tokens_per_micro_batch, args.group_size)
+            b_old_values = torch.zeros_like(b_response_mask)  # (B, T)
+            for idx in micro_batches(torch.arange(len(b_ids), device=device), b_attention_mask, b_rollout.prompt_length,
+                                     args.micro_batch_size, args.max_tokens_per_micro_batch, args.group_size):
+                with torch.no_grad():
+                    b_old_values[idx] = critic_model(b_ids[idx], b_attention_mask[idx], b_rollout.prompt_length)
             # ---
 
         # --- algorithm: 4. advantages, after the log-probs and values they need: per-token rewards (the score at
@@ -557,12 +562,14 @@ def main(args: Args) -> None:
         b_advantages, b_returns = compute_advantages(b_rewards, b_old_values, b_response_mask, args.gamma, args.lam)
         b_advantages = whiten(b_advantages, b_response_mask, all_reduce)
         kl_sum, num_sequences = all_reduce(torch.stack([b_kl.sum(), b_kl.new_tensor(len(b_kl))]))
-        residual = ((b_returns - b_old_values) * b_response_mask)[b_response_mask > 0]
+        value, residual, target = (x * b_response_mask for x in (b_old_values, b_returns - b_old_values, b_returns))
+        n, value_sum, residual_sum, residual_sq, target_sum, target_sq = all_reduce(torch.stack([  # every rank's tokens
+            b_response_mask.sum(), value.sum(), residual.sum(), (residual**2).sum(), target.sum(), (target**2).sum()]))
         metrics.update({
             "algo/kl": kl_sum / num_sequences,  # k1 KL to the reference, nats per completion
             "algo/beta": state["beta"],
-            "algo/value_mean": (b_old_values * b_response_mask).sum() / b_response_mask.sum(),
-            "algo/explained_variance": 1 - residual.var() / b_returns[b_response_mask > 0].var(),
+            "algo/value_mean": value_sum / n,
+            "algo/explained_variance": 1 - (residual_sq - residual_sum**2 / n) / (target_sq - target_sum**2 / n),
         })
         if args.target_kl:  # the coefficient for the next step, from the whole batch's KL
             state["beta"] = update_kl_coef(state["beta"], (kl_sum / num_sequences).item(), args.target_kl,
@@ -570,7 +577,7 @@ def main(args: Args) -> None:
         # ---
 
         # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
-        update_start, update_metrics = time.perf_counter(), []
+        update_start, update_metrics = time.perf_counter(), {}  # (sum, count) of each metric: `add_metrics`
         minibatch_size = max(1, -(-len(b_ids) // args.num_minibatches))  # ceil: a batch of any size splits
         for epoch in range(args.updates_per_rollout):
             # --- algorithm: the minibatches: a fresh shuffle of the sequences each pass ---
@@ -578,13 +585,14 @@ def main(args: Args) -> None:
             # ---
             for start in range(0, len(b_ids), minibatch_size):  # none when the batch is empty
                 mb_idx = b_order[start : start + minibatch_size].sort().values  # sorted: a group's rows together
-                # --- algorithm: the loss is a sum over the optimizer step's response tokens, over every rank ---
+                # --- algorithm: the loss is a sum over the step's response tokens, over every rank; micro-batches ---
                 num_tokens = all_reduce(b_response_mask[mb_idx].sum()) / args.world_size
+                parts = micro_batches(mb_idx, b_attention_mask, b_rollout.prompt_length, args.micro_batch_size,
+                                      args.max_tokens_per_micro_batch, args.group_size)  # as many on every rank
                 # ---
-                micro_batches = mb_idx.split(args.micro_batch_size)  # a prompt runs once per micro-batch
-                for k, idx in enumerate(micro_batches):
+                for k, idx in enumerate(parts):
                     # Gradients are synced over ranks once per optimizer step, on the last micro-batch.
-                    with no_sync(wrapped.values(), last=k == len(micro_batches) - 1):
+                    with no_sync(wrapped.values(), last=k == len(parts) - 1):
                         logprobs, entropy = get_logprobs(model, b_ids[idx], b_attention_mask[idx],
                                                          b_rollout.prompt_length, args.temperature)
                         b_old_logprobs[idx] = logprobs.detach() if old_in_pass_1 and epoch == 0 else b_old_logprobs[idx]
@@ -600,16 +608,16 @@ def main(args: Args) -> None:
                             args.vf_coef)
                         # ---
                         loss.backward()
-                    mb_metrics["policy/entropy"] = masked_mean(entropy, b_response_mask[idx])
-                    update_metrics.append(mb_metrics)
+                    mb_metrics["policy/entropy"] = ((entropy * b_response_mask[idx]).sum(), b_response_mask[idx].sum())
+                    add_metrics(update_metrics, mb_metrics)
                 grad_norm = clip_grad_norm(policy.parameters(), args.max_grad_norm, step, run_dir)  # or stops the run
                 # --- algorithm: the critic's gradients, clipped on their own ---
                 value_grad_norm = clip_grad_norm(critic.parameters(), args.max_grad_norm, step, run_dir)
-                update_metrics.append({"algo/value_grad_norm": value_grad_norm})
+                add_metrics(update_metrics, {"algo/value_grad_norm": value_grad_norm})
                 # ---
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                update_metrics.append({"policy/grad_norm": grad_norm})
+                add_metrics(update_metrics, {"policy/grad_norm": grad_norm})
         times["update"] = time.perf_counter() - update_start
 
         # --- algorithm: the sampler guard, on the completions this policy sampled ---
@@ -619,7 +627,7 @@ def main(args: Args) -> None:
         # ---
 
         # 7. log, evaluate, checkpoint
-        metrics.update(mean_metrics(update_metrics))
+        metrics.update(update_metrics)
         logger.log(step, {**metrics, **step_metrics(rewards, components, rollout, times, step_start)})
         if args.save_every and (step + 1) % args.save_every == 0:
             save_checkpoint(run_dir / f"step_{step + 1}", trained, tokenizer, rank, run_info, optimizer, step + 1,

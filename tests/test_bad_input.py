@@ -72,10 +72,8 @@ AT_START_UP = [
     ("`--seed 99999999999999999999999`", ["--seed", "99999999999999999999999"],
      "--seed 99999999999999999999999: must be in [0, 2**63)"),
     ("`--temperature 1e-45`", ["--temperature", "1e-45"], "--temperature 1e-45: must be >= 0.01"),
-    ("`--beta inf`", ["--beta", "inf"], "--beta inf: must be a finite number"),
-    ("`--target-kl nan` (ppo.py)", ["ppo.py", "--target-kl", "nan"], "--target-kl nan: must be a finite number"),
-    ("`--no-eos-score inf` (ppo.py)", ["ppo.py", "--no-eos-score", "inf"], "--no-eos-score inf: must be a finite "
-     "number"),
+    ("`--max-tokens-per-micro-batch 0`", ["--max-tokens-per-micro-batch", "0"],
+     "--max-tokens-per-micro-batch 0: must be >= 1 (or left out: no limit)"),
     ("a `--reward-fn` that returns a dict", ["--reward-fn", "{tmp}/user_rewards.py:as_dict"],
      "must return a list of one finite float per completion (2), got {0: 1.0, 1: 1.0}"),
     ("a `--reward-fn` that empties the list it was given", ["--reward-fn", "{tmp}/user_rewards.py:emptied"],

@@ -164,13 +164,18 @@ def lockstep(*args: str) -> dict:
 
 
 def test_lockstep_against_another_checkout_runs():
-    """This checkout against itself (as --against): two workers of the same code take turns, so the ratio
-    is about 1, and the file's split adds up to less than its round."""
-    figures = lockstep("--against", str(ROOT), "--flags=--micro-batch-size 128")
+    """This checkout against itself (as --against): two workers of the same code take turns, so the ratio is about
+    1, and the file's split adds up to less than its round. This side cuts its micro-batches by a token budget (rows
+    by length: less padding in what the update computes than the other's 128-row micro-batches in their order)."""
+    figures = lockstep("--against", str(ROOT), "--flags=--micro-batch-size 128",
+                       "--this-flags=--max-tokens-per-micro-batch 256")
     assert 0.5 < figures["ratio"] < 2, figures
     for side in ("this", "other"):
         s = figures[side]
         assert 0 < s["gen_s"] + s["logprobs_s"] + s["update_s"] < s["median_s"] * 1.01, s
+        assert 0 <= s["update_padding"] < s["update_positions"] and s["sampled_positions"] > 0, s
+    this, other = (figures[side]["update_padding"] / figures[side]["update_positions"] for side in ("this", "other"))
+    assert this < other, (this, other)
 
 
 def test_lockstep_against_trl_runs_when_trl_is_installed():

@@ -7,6 +7,7 @@ import torch
 
 import cispo
 import dapo
+from common import all_reduce_mean
 
 
 def coefficients(ratio: torch.Tensor, advantage: torch.Tensor, **kw) -> torch.Tensor:
@@ -43,6 +44,7 @@ def test_the_weight_carries_no_gradient():
     assert coefficients(ratio, adv).item() == pytest.approx(-1.1 * 2.0, abs=1e-6)
     _, metrics = cispo.compute_loss(torch.log(ratio).view(1, 1), torch.zeros(1, 1), adv, torch.ones(1, 1), 1,
                                     is_eps_high=0.05)
+    metrics = all_reduce_mean(metrics)  # (sum, count) pairs, as logged
     assert metrics["policy/clipfrac"] == 1.0 and metrics["algo/is_weight_mean"] == pytest.approx(1.05)
 
 

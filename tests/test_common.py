@@ -23,6 +23,7 @@ from common import (
     load_reward_fn,
     load_rows,
     load_tokenizer,
+    micro_batches,
     prompt_batch,
     score,
     select_rows,
@@ -253,6 +254,73 @@ def test_without_a_repeated_prompt_or_under_gradient_checkpointing_the_rows_run_
     torch.testing.assert_close(whole, shared, atol=1e-6, rtol=0)
 
 
+def test_a_micro_batch_runs_on_the_columns_its_rows_use(model, tokenizer):
+    """A micro-batch of a rollout whose other rows are longer on both sides (here 3 columns of left padding and 5
+    of right padding that none of its rows needs) runs its forward on its own rows' columns only: its prompt's
+    last P' and its responses' first L' columns. Its log-probs, entropies and a critic's values (ppo.py's, with a
+    random head) are each row's alone without any padding, to 1e-5 in fp32, and 0 on the columns cut."""
+    from transformers import AutoModel
+
+    import ppo
+
+    torch.manual_seed(0)
+    r = generate(model, tokenizer, [format_prompt(tokenizer, p, True) for p in ("1+2", "45+67")], 2, 6, 1.0)
+    P = r.prompt_length + 3
+    ids = torch.nn.functional.pad(r.input_ids, (3, 5), value=tokenizer.pad_token_id)  # (4, P + L), as a wider rollout
+    mask = torch.nn.functional.pad(r.attention_mask, (3, 5))
+    critic = ppo.Critic(load_model(DEFAULT_MODEL, "float32", torch.device("cpu"), tokenizer, AutoModel))
+    torch.nn.init.normal_(critic.value_head.weight)
+    shapes, handle = positions_through_first_layer(model)
+    logprobs, entropy = get_logprobs(model, ids, mask, P, 1.0)
+    handle.remove()
+    assert shapes == [(2, r.prompt_length), (4, r.input_ids.shape[1] - r.prompt_length)]  # not (2, P), (4, L)
+    values = critic(ids, mask, P)
+    for i in range(4):  # each row alone: its real tokens only
+        used = mask[i].bool()
+        row_ids, row_P = ids[i, used][None], int(mask[i, :P].sum())
+        alone = [x[0] for x in get_logprobs(model, row_ids, torch.ones_like(row_ids), row_P, 1.0)]
+        n = len(alone[0])
+        for cut, row in zip((logprobs[i], entropy[i], values[i]), (*alone, critic(row_ids, torch.ones_like(row_ids),
+                                                                                    row_P)[0])):
+            torch.testing.assert_close(cut[:n], row, atol=1e-5, rtol=0)
+            assert (cut[n:] == 0).all()
+
+
+def test_micro_batches_by_a_token_budget_hand_worked():
+    """Five rows of (prompt, response) tokens (2, 6), (4, 1), (3, 3), (2, 2), (4, 5), left- and right-padded to 4 + 6
+    columns; a micro-batch costs its rows x (widest prompt + longest response). Longest first (9, 8, 6, 5, 4) into
+    16 tokens: row 4 (9); row 0 would make 2 x (4 + 6) = 20, so alone (8); row 2 (6), then row 1: 2 x (4 + 3) = 14;
+    row 3 would make 3 x 7 = 21: alone. A row over the budget runs alone."""
+    lengths = [(2, 6), (4, 1), (3, 3), (2, 2), (4, 5)]
+    mask = torch.tensor([[0] * (4 - p) + [1] * (p + r) + [0] * (6 - r) for p, r in lengths])
+
+    def cut(*args, **kwargs) -> list[list[int]]:
+        return [batch.tolist() for batch in micro_batches(*args, **kwargs)]
+
+    rows = torch.arange(5)
+    assert cut(rows, mask, 4, 5, 16) == [[4], [0], [1, 2], [3]]
+    assert cut(rows, mask, 4, 5, 4) == [[4], [0], [2], [1], [3]]  # each over 4 tokens: alone
+    assert cut(rows, mask, 4, 1, 100) == [[4], [0], [2], [1], [3]]  # at most 1 row
+    assert cut(rows, mask, 4, 2) == [[0, 1], [2, 3], [4]]  # no budget: --micro-batch-size rows in their order
+
+
+def test_micro_batches_keep_groups_whole_where_their_shared_prompt_pays():
+    """Two groups of 2 rows (rows 0-1 and 2-3 share a prompt), budget 20. Responses long and uneven (prompts 1,
+    responses 8, 1, 8, 1): by rows, [0, 2] and [1, 3] compute 2 x 1 + 2 x 8 and 2 x 1 + 2 x 1 = 22 positions (each
+    group's prompt once a micro-batch); by groups, [0, 1] and [2, 3] 2 x (1 + 2 x 8) = 34: rows. Prompts long
+    (8, responses 1, 4, 2, 3), budget 24: by rows, [1, 3] and [0, 2], 2 x 8 + 2 x 4 + 2 x 8 + 2 x 2 = 44; by
+    groups, 8 + 2 x 4 + 8 + 2 x 3 = 30: groups. `whole` keeps groups together even where rows compute fewer."""
+    def cut(lengths: list[tuple[int, int]], budget: int, group_size: int = 2, **kwargs) -> list[list[int]]:
+        mask = torch.tensor([[0] * (8 - p) + [1] * (p + r) + [0] * (8 - r) for p, r in lengths])
+        return [b.tolist() for b in micro_batches(torch.arange(4), mask, 8, 4, budget, group_size, **kwargs)]
+
+    long_responses = [(1, 8), (1, 1), (1, 8), (1, 1)]
+    assert cut(long_responses, 20) == [[0, 2], [1, 3]]
+    assert cut(long_responses, 20, whole=True) == [[0, 1], [2, 3]]
+    assert cut([(8, 1), (8, 4), (8, 2), (8, 3)], 24) == [[0, 1], [2, 3]]
+    assert cut([(8, 1), (8, 4), (8, 2), (8, 3)], 24, group_size=1) == [[1, 3], [0, 2]]  # no groups: by rows
+
+
 def test_left_padding_does_not_change_logprobs(model, tokenizer):
     """Position ids follow the mask: a sequence scores the same alone and left-padded in a batch."""
     torch.manual_seed(0)
@@ -331,11 +399,6 @@ def test_a_reward_module_is_imported_from_the_working_directory_and_sys_path_is_
     before = list(sys.path)
     fn = load_reward_fn("cwd_rewards:one", [{"prompt": "1+1", "answer": "2"}])
     assert fn(["p"], ["c"], ["a"]) == [1.0] and sys.path == before
-    # A user's common.py in the working directory would be shadowed by this project's module: named, not run.
-    (tmp_path / "common.py").write_text("def mine(prompts, completions, answers):\n    return [0.0]\n")
-    with pytest.raises(UsageError, match="'common' is a module of this project; pass your file as path/to/common.py"):
-        load_reward_fn("common:mine")
-    assert load_reward_fn(f"{tmp_path / 'common.py'}:mine")(["p"], ["c"], ["a"]) == [0.0]
 
 
 def test_importing_the_plumbing_changes_nothing_outside_it():

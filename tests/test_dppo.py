@@ -14,6 +14,7 @@ import torch
 
 import dppo
 import grpo
+from common import all_reduce_mean
 
 # (mu, p): a rare token tripled, a common one pushed from 0.5 to 0.9, a near-certain one pulled to 0.8
 TOKENS = [(0.001, 0.003), (0.5, 0.9), (0.99, 0.8)]
@@ -52,9 +53,10 @@ def test_loss_gradient_and_metrics_hand_worked():
     assert loss.item() == pytest.approx(-(3 + 0.8 / 0.99) / 3, abs=1e-12)
     loss.backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([[-1.0, 0.0, -0.8 / 0.99 / 3]], dtype=torch.float64))
-    assert metrics["policy/maskfrac"].item() == pytest.approx(1 / 3)
-    assert metrics["policy/band_clipfrac"].item() == pytest.approx(2 / 3)
-    assert metrics["policy/gradient_removed"].item() == pytest.approx(0.3209654, abs=1e-7)
+    metrics = all_reduce_mean(metrics)  # (sum, count) pairs, as logged
+    assert metrics["policy/maskfrac"] == pytest.approx(1 / 3)
+    assert metrics["policy/band_clipfrac"] == pytest.approx(2 / 3)
+    assert metrics["policy/gradient_removed"] == pytest.approx(0.3209654, abs=1e-7)
 
 
 def peers_dppo_loss(logprobs, old_logprobs, advantages, mask, delta=0.15):
@@ -77,7 +79,7 @@ def test_same_gradient_as_verl():
     adv, mask = torch.tensor([1.2, -0.7, 0.0, 0.3, -1.5, 0.9], dtype=torch.float64), (torch.rand(6, 7) > 0.25).double()
     mask[:, 0] = 1
     loss, metrics = dppo.compute_loss(lp, old, None, adv, mask, 6)
-    assert 0.05 < metrics["policy/maskfrac"] < 0.5  # the mask has work to do here
+    assert 0.05 < all_reduce_mean(metrics)["policy/maskfrac"] < 0.5  # the mask has work to do here
     g1, = torch.autograd.grad(loss, lp)
     g2, = torch.autograd.grad(peers_dppo_loss(lp, old, adv, mask), lp)
     torch.testing.assert_close(g1, g2, rtol=0, atol=1e-12)

@@ -6,11 +6,14 @@ import math
 import pytest
 import torch
 
+from common import all_reduce_mean
 from grpo import compute_advantages, compute_loss
 
 
 def loss_of(logprobs, old, ref, adv, mask, n=None, **kw):
-    return compute_loss(logprobs, old, ref, adv, mask, n if n is not None else len(adv), **kw)
+    """The loss, and its metrics as logged: each (sum, count) pair's mean."""
+    loss, metrics = compute_loss(logprobs, old, ref, adv, mask, n if n is not None else len(adv), **kw)
+    return loss, all_reduce_mean(metrics)
 
 
 def test_group_advantage_worked_example():

@@ -9,6 +9,7 @@ import torch
 
 import grpo
 import gspo
+from common import all_reduce_mean
 
 
 def test_advantage_is_grpos():
@@ -34,7 +35,7 @@ def test_each_sequence_has_one_ratio_the_geometric_mean_clipped_as_a_whole():
     assert loss.item() == pytest.approx((-1.0004 + s1) / 2, abs=1e-12)
     loss.backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([[0, 0, 0, 0], [s1 / 8] * 4], dtype=torch.float64))
-    assert metrics["policy/clipfrac"].item() == pytest.approx(2 / 6)  # the clipped sequence's 2 tokens of 6
+    assert all_reduce_mean(metrics)["policy/clipfrac"] == pytest.approx(2 / 6)  # the clipped sequence's 2 tokens of 6
 
 
 def test_tokens_share_their_sequences_ratio_where_grpo_clips_each_token():
@@ -77,7 +78,7 @@ def test_same_value_and_gradient_as_the_gspo_token_form():
     (reference_grad,) = torch.autograd.grad(reference, logprobs)
     torch.testing.assert_close(loss, reference)
     torch.testing.assert_close(grad, reference_grad)
-    assert 0 < metrics["policy/clipfrac"].item() < 1
+    assert 0 < all_reduce_mean(metrics)["policy/clipfrac"] < 1
 
 
 def test_kl_term_and_gradcheck():

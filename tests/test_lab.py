@@ -2,6 +2,7 @@
 gvpo.py's mixed data, and every file on --task chain."""
 
 import collections
+import math
 import random
 import re
 
@@ -15,17 +16,18 @@ import gspo
 from common import (
     TASKS,
     Rollout,
+    all_reduce_mean,
     builtin_splits,
     correctness_reward,
     format_prompt,
     format_reward,
     generate,
-    given_rollout,
     load_model,
     load_tokenizer,
     step_metrics,
 )
 from conftest import ALGORITHMS, read_metrics, run
+from gvpo import given_rollout
 
 
 def test_warm_up_completions_vary_and_only_a_carried_slip_is_wrong():
@@ -109,13 +111,14 @@ def test_step_metrics_split_lengths_by_outcome_and_count_self_corrections():
     """Hand-worked: lengths 4 and 8 right, 2, 6 and 10 wrong; two of five write 'wait', one of them right."""
     texts = ["1+1=2 wait", "x", "Wait, no", "waiting", "y"]
     right = torch.tensor([1.0, 0, 0, 1, 0])
-    m = step_metrics(right, {"correct": right}, rollout_of(texts, [4, 2, 6, 8, 10]), {}, 0.0)
+    m = all_reduce_mean(step_metrics(right, {"correct": right}, rollout_of(texts, [4, 2, 6, 8, 10]), {}, 0.0))
     assert m["response/length_correct"] == 6 and m["response/length_wrong"] == 6  # (4+8)/2, (2+6+10)/3
     assert m["response/length_mean"] == 6
     assert m["task/self_correction_frac"] == pytest.approx(2 / 5)  # 'wait' as a word, any case ('waiting' is not)
     assert m["task/self_correction_accuracy"] == pytest.approx(1 / 2)
-    none_right = step_metrics(right * 0, {"correct": right * 0}, rollout_of(texts, [4, 2, 6, 8, 10]), {}, 0.0)
-    assert none_right["response/length_correct"].isnan() and none_right["response/length_wrong"] == 6
+    none_right = all_reduce_mean(step_metrics(right * 0, {"correct": right * 0}, rollout_of(texts, [4, 2, 6, 8, 10]),
+                                              {}, 0.0))
+    assert math.isnan(none_right["response/length_correct"]) and none_right["response/length_wrong"] == 6
 
 
 def clip_inputs():
@@ -130,12 +133,16 @@ def test_clip_fractions_below_and_above_the_range():
     inside. CISPO's weight, capped at 1 + 0.2 from above only by default (is_eps_low None): 1.25, 1.5."""
     new, old, adv, mask = clip_inputs()
     _, m = grpo.compute_loss(new, old, None, adv, mask, 1, clip_eps=0.2, beta=0.0)
+    m = all_reduce_mean(m)
     assert (m["policy/clipfrac_low"], m["policy/clipfrac_high"], m["policy/clipfrac"]) == (0.2, 0.4, 0.6)
     _, m = dapo.compute_loss(new, old, adv, mask, 5, clip_eps_low=0.2, clip_eps_high=0.28)
+    m = all_reduce_mean(m)
     assert (m["policy/clipfrac_low"], m["policy/clipfrac_high"]) == (0.2, 0.2)
     _, m = cispo.compute_loss(new, old, adv, mask, 5, is_eps_high=0.2)
+    m = all_reduce_mean(m)
     assert (m["policy/clipfrac_low"], m["policy/clipfrac_high"], m["policy/clipfrac"]) == (0.0, 0.4, 0.4)
     _, m = cispo.compute_loss(new, old, adv, mask, 5, is_eps_high=0.2, is_eps_low=0.2)
+    m = all_reduce_mean(m)
     assert (m["policy/clipfrac_low"], m["policy/clipfrac_high"]) == (0.2, 0.4)
 
 
@@ -145,6 +152,7 @@ def test_gspo_clip_fractions_count_the_tokens_of_clipped_sequences():
     new = torch.tensor([[0.5, 0.5, 9.0], [2.0, 2.0, 2.0]], dtype=torch.float64).log()
     mask = torch.tensor([[1.0, 1, 0], [1, 1, 1]], dtype=torch.float64)
     _, m = gspo.compute_loss(new, old, None, torch.ones(2, dtype=torch.float64), mask, 2, beta=0.0)
+    m = all_reduce_mean(m)
     assert (m["policy/clipfrac_low"], m["policy/clipfrac_high"]) == (pytest.approx(2 / 5), pytest.approx(3 / 5))
 
 

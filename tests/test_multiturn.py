@@ -15,13 +15,16 @@ from common import (
     UsageError,
     builtin_splits,
     cut_at_stop,
+    format_prompt,
     generate,
     get_logprobs,
     load_model,
     load_tokenizer,
     observation_ids,
     rollout_weights,
+    sample_hf,
     sampler_logprob_gap,
+    stop_strings,
 )
 from conftest import ALGORITHMS
 from examples.guess import Guess
@@ -248,6 +251,37 @@ def test_a_turn_ends_at_a_stop_string_and_the_template_closes_it(tiny):
     assert stopped > 0
     assert cut_at_stop(tokenizer, tokenizer("2+13=5").input_ids, ["13", "="]) == (tokenizer("2+13").input_ids, True)
     assert cut_at_stop(tokenizer, tokenizer("2+3").input_ids, ["13"]) == (tokenizer("2+3").input_ids, False)
+
+
+def test_a_turn_stops_at_the_token_that_completes_its_stop_string(tiny, monkeypatch):
+    """model.generate ends a turn at the token that completes a stop string (transformers' stop_strings), not at EOS:
+    with the same seed, the tokens up to there are those sampled without stop strings, and generate returns no
+    token after them (nothing after the stop is sampled). A string no token can complete ('<calc>': the tiny
+    vocabulary has no '<') is left out, as it can never end a turn (transformers refuses it)."""
+    tokenizer, model = tiny
+    widths, real_generate = [], model.generate
+
+    def generate(**kwargs):  # the tokens model.generate sampled after the prompt
+        out = real_generate(**kwargs)
+        widths.append(out.shape[1] - kwargs["input_ids"].shape[1])
+        return out
+
+    monkeypatch.setattr(model, "generate", generate)
+    stopped = 0
+    for example in builtin_splits("add")[1][:12]:
+        prompt = tokenizer(format_prompt(tokenizer, example["prompt"], True)).input_ids
+        torch.manual_seed(0)
+        (whole,), _ = sample_hf(model, tokenizer, [prompt], 1, 8, 1.0, False)
+        torch.manual_seed(0)
+        (ids,), _ = sample_hf(model, tokenizer, [prompt], 1, 8, 1.0, False, stop_strings(tokenizer, ["1", "<calc>"]))
+        assert widths[-1] == len(ids) and ids == whole[: len(ids)]
+        if "1" in tokenizer.decode(whole):
+            first = next(n for n in range(1, len(whole) + 1) if "1" in tokenizer.decode(whole[:n]))
+            assert ids == whole[:first]
+            stopped += len(ids) < len(whole)
+        else:
+            assert ids == whole  # up to EOS or the budget
+    assert stopped >= 3
 
 
 def test_a_template_that_rewrites_an_earlier_turn_stops_the_run(tiny):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import rloo
+from common import all_reduce_mean
 from conftest import read_metrics
 
 
@@ -41,7 +42,7 @@ def test_loss_is_reinforce_on_the_completions_summed_log_prob():
     assert loss.item() == pytest.approx(-2 / 3)
     loss.backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([[-1, -1, 0, 0], [1, 1, 1, 1]], dtype=torch.float64) / 3)
-    assert metrics["policy/approx_kl"].item() == 0
+    assert all_reduce_mean(metrics)["policy/approx_kl"] == 0
 
 
 def trl_rloo_loss(logprobs, old_logprobs, advantages, mask, eps=0.2):

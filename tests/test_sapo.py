@@ -14,6 +14,7 @@ import torch
 
 import grpo
 import sapo
+from common import all_reduce_mean
 
 
 def test_advantage_is_grpos():
@@ -43,8 +44,9 @@ def test_gated_loss_and_gradient_hand_worked():
                                                            dtype=torch.float64), atol=1e-7, rtol=0)
     # The mean gate weight over the 3 tokens: (0.9400148 + 1 + 0.9341398) / 3 = 0.9580516. The share of
     # sum_t r |A| = 1.5 + 1 + 0.5 = 3 the gate removes: (1.5 x 0.0599852 + 0 + 0.5 x 0.0658602) / 3 = 0.0409693.
-    assert metrics["policy/gate_weight"].item() == pytest.approx(0.9580516, abs=1e-7)
-    assert metrics["policy/gradient_removed"].item() == pytest.approx(0.0409693, abs=1e-7)
+    metrics = all_reduce_mean(metrics)  # (sum, count) pairs, as logged
+    assert metrics["policy/gate_weight"] == pytest.approx(0.9580516, abs=1e-7)
+    assert metrics["policy/gradient_removed"] == pytest.approx(0.0409693, abs=1e-7)
 
 
 def test_on_policy_it_is_grpos_step_and_far_off_policy_the_gradient_fades_without_an_edge():

@@ -125,6 +125,20 @@ def test_the_prefix_cache_is_emptied_when_the_weights_change(vllm_python, tmp_pa
     assert gaps["push"] <= GAP, gaps
 
 
+def test_a_turn_stops_at_the_token_that_completes_its_stop_string(vllm_python, tmp_path):
+    """vLLM's own stop strings (SamplingParams.stop, the stop string kept): greedy responses with the stop string '1'
+    are those without it up to the token that completes it, and end there; the others are the same."""
+    from common import DEFAULT_MODEL, load_tokenizer
+
+    tokenizer, answers = load_tokenizer(DEFAULT_MODEL), check(vllm_python, "stop", tmp_path)
+    stopped = 0
+    for whole, ids in zip(answers["whole"], answers["stopped"]):
+        end = next((n for n in range(1, len(whole) + 1) if "1" in tokenizer.decode(whole[:n])), len(whole))
+        assert ids == whole[:end]
+        stopped += end < len(whole)
+    assert stopped >= 3
+
+
 def test_grpo_learns_the_default_task_with_vllm(vllm_python, tmp_path):
     """As test_runs.test_learns_the_default_task, sampling and evaluating with vLLM. Measured (seed 1, 1 thread):
     held-out 0.352 at step 0, 0.502 at 10, 0.548 at 20, 0.578 at 30: 20 steps rise by 0.196."""

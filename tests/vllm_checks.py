@@ -26,7 +26,6 @@ sys.path.insert(0, str(ROOT))
 
 from common import (  # noqa: E402 (after the path)
     DEFAULT_MODEL,
-    VllmEngine,
     format_prompt,
     generate,
     get_logprobs,
@@ -34,6 +33,7 @@ from common import (  # noqa: E402 (after the path)
     load_tokenizer,
     unwrap,
 )
+from vllm_engine import VllmEngine  # noqa: E402
 
 
 def gap(engine: VllmEngine, model, tokenizer, prompts: list[str], push: bool) -> float:
@@ -153,8 +153,20 @@ def pushes(algo: str, flags: list[str]) -> dict:
     return {"events": events}
 
 
+def stop() -> dict:
+    """Greedy responses of 12 prompts from the engine, without and with the stop string '1'."""
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    model = load_model(DEFAULT_MODEL, "float32", torch.device("cpu"), tokenizer)
+    engine = VllmEngine(DEFAULT_MODEL, "float32", 0, torch.optim.SGD(model.parameters(), lr=0.0))
+    prompts = [tokenizer(format_prompt(tokenizer, f"{a}+{a + 7}", True)).input_ids for a in range(10, 130, 10)]
+    whole, _ = engine.generate(model, tokenizer, prompts, 1, 8, 1.0, greedy=True)
+    stopped, _ = engine.generate(model, tokenizer, prompts, 1, 8, 1.0, greedy=True, stop=["1"])
+    return {"whole": whole, "stopped": stopped, "texts": [tokenizer.decode(ids) for ids in whole]}
+
+
 if __name__ == "__main__":
     check, out_file, *rest = sys.argv[1:]
     result = {"tied-head": lambda: tied_head(), "prefix-cache": lambda: prefix_cache(*rest),
-              "stale": lambda: stale(rest), "release": release, "pushes": lambda: pushes(rest[0], rest[1:])}[check]()
+              "stale": lambda: stale(rest), "release": release, "stop": stop,
+              "pushes": lambda: pushes(rest[0], rest[1:])}[check]()
     Path(out_file).write_text(json.dumps(result))
