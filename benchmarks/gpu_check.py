@@ -1,21 +1,15 @@
-"""The GPU check: grpo.py's own training rounds on one GPU at a real model's shape, sampling with
-`model.generate` and with --vllm, and against TRL's GRPOTrainer. Random weights of the Qwen2.5-0.5B or
-1.5B shape (nothing is downloaded) with the offline default's tokenizer, on prompts of --prompt-length
-tokens: ids past the tokenizer's 52 decode to nothing and EOS is rare, so completions run to --new-tokens,
-as a throughput figure wants.
+"""The GPU check: grpo.py's own training rounds on one GPU at a real model's shape (random weights of Qwen2.5-0.5B or
+1.5B, the offline tokenizer, prompts of --prompt-length tokens; EOS is rare, so completions run to --new-tokens),
+sampling with `model.generate` and with --vllm (its engine keeping its weights between calls, and not), then against
+TRL's GRPOTrainer in turns (benchmarks/lockstep.py), each side with its own sampler, where trl is installed.
 
     python -m benchmarks.gpu_check            # in the vLLM environment (requirements-vllm.txt), + trl for TRL
     python -m benchmarks.gpu_check --shapes tiny --device-check   # the CPU check the tests run
 
-For each shape grpo.py runs 1 + --rounds steps (the first, which compiles and warms up, is left out) with
-generate and, when vLLM is installed, with --vllm, its engine keeping its weights between calls and not
-(--no-vllm-keep-weights). Printed per run, from its metrics.jsonl: seconds per round, of which sampling;
-sampled tokens per second; peak memory; the update's TFLOP/s and, on a GPU, its MFU (the matmul FLOPs of
-`update_flops` over perf/update_s and --peak-tflops); with --vllm the sampler gap and what the rollout
-correction did. Then, with trl and a GPU, grpo.py against TRL in turns (benchmarks/lockstep.py), each
-side with its own sampler: generate, then vLLM.
+Each run is 1 + --rounds steps, the first left out. Printed from its metrics.jsonl: seconds per round and of
+sampling, sampled tokens per second, peak memory, the update's TFLOP/s (`update_flops` over perf/update_s) and, on a
+GPU, its MFU (over --peak-tflops); with --vllm the sampler gap and what the rollout correction did.
 """
-
 import importlib.util
 import json
 import statistics
@@ -30,31 +24,28 @@ import tyro
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from benchmarks.lockstep import UPDATES_PER_ROLLOUT, Shape, compare, print_comparison, save_with_offline_tokenizer
+from benchmarks.memory_fit import QWEN
+from benchmarks.memory_fit import Shape as ModelShape
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Qwen/Qwen2.5-0.5B-Instruct's and Qwen/Qwen2.5-1.5B-Instruct's config.json, written out (no hub access).
-QWEN2_5 = {
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1),  # the CPU check (vLLM's CPU attention takes heads of 32)
-}
+# Qwen2.5-0.5B's and 1.5B's shapes (memory_fit's), and the CPU check's (vLLM's CPU attention takes heads of 32)
+SHAPES = {shape.name.lower(): shape for shape in QWEN[:2] + [ModelShape("tiny", 2, 64, 128, 2, 1, tied=True)]}
 
 
-def qwen_config(shape: str) -> Qwen2Config:
+def qwen_config(name: str) -> Qwen2Config:
+    s = SHAPES[name]
     return Qwen2Config(vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                       hidden_act="silu", use_sliding_window=False, tie_word_embeddings=True, **QWEN2_5[shape])
+                       hidden_act="silu", use_sliding_window=False, tie_word_embeddings=True, hidden_size=s.hidden,
+                       intermediate_size=s.intermediate, num_hidden_layers=s.layers, num_attention_heads=s.heads,
+                       num_key_value_heads=s.kv_heads)
 
 
 def update_flops(config, num_sequences: int, sequence_length: int, response_length: int,
                  causal: bool = True, prompts: int | None = None) -> float:
-    """Model FLOPs of one forward + backward of grpo.py's update over `num_sequences` sequences of
-    `sequence_length` tokens, `response_length` of them scored (the backward costs 2 forwards). With
-    `prompts`, the sequences share that many prompt forwards (common.response_hidden_states runs a prompt
-    once per micro-batch); without, every sequence runs whole. Attention: the causal half of its scores."""
+    """Model FLOPs of a forward + backward (2 forwards) of grpo.py's update over `num_sequences` sequences of
+    `sequence_length` tokens, `response_length` scored; with `prompts`, that many shared prompt forwards (one per
+    micro-batch: common.response_hidden_states), else each sequence whole. Attention: its causal half."""
     d, layers = config.hidden_size, config.num_hidden_layers
     head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
     q_dim, kv_dim = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
@@ -80,9 +71,8 @@ class Args:
     """tokens of each prompt, with the chat template"""
     new_tokens: int = 512
     micro_batch_size: int = 32
-    """sequences per forward/backward (whole groups: a multiple of --group-size)"""
     rounds: int = 2
-    """timed training rounds of each run (after one warm-up round)"""
+    """timed rounds of each run, after one warm-up round"""
     peak_tflops: float = 989.0
     """the accelerator's dense bf16 peak (H100/H200 SXM: 989)"""
     trl: bool = True
@@ -140,8 +130,8 @@ def grpo_rounds(folder: Path, args: Args, config, name: str) -> dict:
 
 def main(args: Args) -> None:
     if args.device_check:
-        args.shapes, args.prompts, args.group_size, args.prompt_length, args.new_tokens = ["tiny"], 2, 2, 40, 8
-        args.micro_batch_size, args.rounds = 4, 1
+        args.shapes, args.prompts, args.group_size, args.prompt_length, args.new_tokens, args.micro_batch_size, \
+            args.rounds = ["tiny"], 2, 2, 40, 8, 4, 1
     has_vllm, gpu = importlib.util.find_spec("vllm") is not None, torch.cuda.is_available()
     device = "GPU " + torch.cuda.get_device_name() if gpu else "CPU"
     print(f"{device}; {args.prompts} prompts of {args.prompt_length} tokens x {args.group_size} completions of "

@@ -1,6 +1,6 @@
 """Learning curves of every algorithm file on a built-in task, several seeds each, side by side: one CSV, a PNG of
-the curves (mean and min-max over seeds), a table of how fast each file reaches a target held-out accuracy, and on
-the chain and guess tasks the table of the lab's rollout metrics (docs/lab.md).
+the curves (mean and min-max over seeds), how fast each file reaches a target held-out accuracy, and on the chain,
+guess and stress tasks the lab's rollout metrics (docs/lab.md).
 
     python -m benchmarks.learning_curves                        # from the repo root: 10 files x seeds 1 2 3 x 200 steps
     python -m benchmarks.learning_curves --task chain           # the lab: 10 files and 4 variants x 3 seeds x 60 steps
@@ -9,19 +9,12 @@ the chain and guess tasks the table of the lab's rollout metrics (docs/lab.md).
     python -m benchmarks.learning_curves --configs grpo "gvpo --reuse-steps 1" --seeds 1 2
     python -m benchmarks.learning_curves --from-csv             # table and plot of --out only, no training
 
-Every run is `python <file>.py --seed S --num-steps N --eval-every E` with the files' shared defaults (32 prompts x
-8 completions per step, 2 updates per rollout, learning rate 2e-4) and the task's flags (`TASKS`): the same rollout
-budget per step for every file, except that DAPO's dynamic sampling draws extra rounds of prompts to replace the
-groups it drops, which the `completions` column counts.
-
-CSV columns, one row per (config, seed, step): `step` = training steps done; `wall_s` = their training time (the sum
-of `perf/step_s` without evaluation); `completions` = completions sampled by them; `eval_accuracy`,
-`eval_accuracy_greedy` = held-out accuracy after `step` steps (one sample at T=1 / greedy; empty between
-evaluations); `reward_mean` and the rest (`ROLLOUT`: docs/metrics.md) = of the rollout sampled at that step (empty
-at the last row, and where the file logs no such key). Each finished run is appended at once, and runs already in
-the CSV are skipped, so an interrupted benchmark goes on where it stopped. Plotting needs matplotlib (`pip install
--r benchmarks/requirements.txt`)."""
-
+Every run is `python <file>.py --seed S --num-steps N --eval-every E` with the files' shared defaults and the task's
+flags (`TASKS`): the same rollouts per step for every file, but for DAPO's extra rounds of dynamic sampling, which
+`completions` counts. CSV rows (config, seed, step): `wall_s`, the training seconds so far (without evaluation);
+`eval_accuracy`, `eval_accuracy_greedy` after `step` steps (empty between evaluations); `reward_mean` and the rest
+(`ROLLOUT`, docs/metrics.md), of that step's rollout. Each finished run is appended at once and runs already there
+are skipped: an interrupted benchmark goes on where it stopped. The plot needs matplotlib (benchmarks/requirements)."""
 import csv
 import json
 import re
@@ -76,8 +69,7 @@ def run(config: str, seed: int, steps: int, eval_every: int, extra: list[str], o
 
 
 def to_rows(config: str, seed: int, metrics: list[dict], completions_per_round: int) -> list[dict]:
-    """metrics.jsonl lines -> one row per step. The line of step s holds the evaluation made before
-    step s trains (so after s steps) and step s's rollout; the run's last line is the final evaluation."""
+    """metrics.jsonl lines -> a row per step: the evaluation before step s trains (after s steps), and its rollout."""
     rows, wall, completions = [], 0.0, 0
     for m in metrics:
         rows.append({"config": config, "seed": seed, "step": m["step"], "wall_s": round(wall, 3),
@@ -123,9 +115,8 @@ def mean_std(values: list[float]) -> str:
 
 
 def summarize(rows: list[dict], target: float) -> list[dict]:
-    """Per config: final held-out accuracy (mean ± std over seeds), and the first evaluation at which
-    sampled accuracy reaches `target`: steps, training seconds and completions (mean over the seeds
-    that reach it, and how many do)."""
+    """Per config: final held-out accuracy (mean ± std over seeds); steps, seconds and completions until the first
+    evaluation at `target` (mean over the seeds that reach it, and how many do)."""
     table = []
     for config, seeds in curves(rows, "eval_accuracy").items():
         finals = [r[-1] for r in seeds.values()]
@@ -165,8 +156,7 @@ LAB = {"chain": ["entropy", "length_correct", "length_wrong", "truncated_frac", 
 
 
 def plot(rows: list[dict], path: Path, title: str, panels: list[tuple[str, str, str]]) -> bool:
-    """A panel per (x, y, label): a line per config (mean over seeds, at the steps every seed has) in its
-    min-max band."""
+    """A panel per (x, y, label): a line per config (mean over seeds) in its min-max band."""
     try:
         import matplotlib
 
@@ -207,8 +197,7 @@ def plot(rows: list[dict], path: Path, title: str, panels: list[tuple[str, str, 
 
 
 def lab_table(rows: list[dict], keys: list[str], window: int = 10) -> str:
-    """Per config, each rollout metric of `keys`: its mean over the first and the last `window` steps of each seed,
-    as 'first -> last', each the mean over seeds [min, max]."""
+    """Per config, each metric of `keys` over the first and the last `window` steps: mean over seeds [min, max]."""
     def spread(values: list[float]) -> str:
         return f"{statistics.mean(values):.3g} [{min(values):.3g}, {max(values):.3g}]"
 
@@ -227,8 +216,7 @@ def lab_table(rows: list[dict], keys: list[str], window: int = 10) -> str:
 @dataclass
 class Args:
     task: Literal["add", "chain", "guess", "stress"] = "add"
-    """the built-in task: add (the offline default), chain (the lab, docs/lab.md), guess (multi-turn) or stress
-    (the chain with --num-minibatches 8: 16 optimizer steps per rollout)"""
+    """add (the offline default), chain (the lab), guess (multi-turn), stress (the chain, 16 steps per rollout)"""
     configs: Optional[tuple[str, ...]] = None
     """algorithm files, each optionally with its own flags, e.g. grpo "gvpo --reuse-steps 1"; left out: the 10
     files (and on the chain and stress tasks the lab's variants, LAB_CONFIGS)"""
@@ -239,8 +227,7 @@ class Args:
     target: Optional[float] = None
     """held-out sampled accuracy for the table; left out: 0.7 for add, 0.4 for chain and stress, 0.5 for guess"""
     out: Optional[Path] = None
-    """the CSV (one --steps budget per file); the PNG is written next to it; left out:
-    benchmarks/results/learning_curves.csv (add), learning_curves_<task>.csv (the others)"""
+    """the CSV, the PNG beside it; left out: benchmarks/results/learning_curves[_<task>].csv"""
     from_csv: bool = False
     """no training: the table and the plot from --out"""
     extra: str = ""

@@ -1,34 +1,32 @@
-"""Two trainers loaded side by side, taking turns one rollout round at a time: an algorithm file against
-TRL's GRPOTrainer at the file's configuration, or against the same file in another checkout (before and
-after a change). Separate runs on a shared machine drift by more than the differences worth measuring;
-rounds taken in turns (A B B A ...) see the same machine, and the ratio of each round to its neighbour
-cancels slow drifts.
+"""Two trainers loaded side by side, taking turns one rollout round at a time: an algorithm file against TRL's
+GRPOTrainer at the file's configuration, or against the same file in another checkout (before and after a change).
+Rounds taken in turns (A B B A ...) see the same machine, and the ratio of each round to its neighbour cancels the
+slow drifts that separate runs on a shared machine show.
 
     python -m benchmarks.lockstep                               # from the repo root: grpo.py against TRL
-    python -m benchmarks.lockstep --shape realistic             # a Qwen3-0.6B-shaped model, 4 layers
+    python -m benchmarks.lockstep --shape varied --this-flags="--max-tokens-per-micro-batch 400"
     python -m benchmarks.lockstep --file dapo --against /tmp/before   # dapo.py here against another checkout's
 
 Shapes (fp32 on CPU, `--dtype auto`):
-- default: the offline default, 32 prompts x 8 completions, 8 new tokens (the task's answers end with
-  EOS after ~3.5 tokens);
-- realistic: Qwen/Qwen3-0.6B's config with 4 of its 28 layers (218.5M parameters, vocabulary 151,936,
-  tied embeddings) and random weights, written to a temporary folder with the offline tokenizer: 4
-  prompts x 4 completions, 32 new tokens (random weights almost never sample EOS, so all 32 are drawn).
-Both sample at T=1 without top-k or top-p and take 2 updates per rollout on the whole batch, with beta
-0.04 and a reference model, learning rate 2e-4, gradient clipping at 1.0. TRL runs with
-`gradient_checkpointing=False` and, on CPU, `bf16=False` (it turns both on by default),
-`loss_type="grpo"`, `num_iterations=2`, the same prompts (`common.format_prompt`, chat template) and
-reward (`common.score`); `pip install -r benchmarks/requirements.txt` installs it. On a GPU,
-benchmarks/gpu_check.py runs the same comparison at its own shape (`compare`).
+- default: the offline default, 32 prompts x 8 completions, 8 new tokens (EOS after ~3.5);
+- realistic: Qwen/Qwen3-0.6B's config with 4 of its 28 layers (218.5M parameters, vocabulary 151,936, tied
+  embeddings), random weights, the offline tokenizer: 4 prompts x 4 completions, 32 new tokens (all drawn: random
+  weights almost never sample EOS);
+- varied: the same model with EOS made likelier (`realistic_model`), so that lengths spread as a real run's, 256
+  new tokens (median ~65, ~8% reach the cap); learning rate 1e-7, so that they stay so;
+- tool: episodes of up to 4 turns on the chain task with a calculator (examples/sums.py: a turn ends at '=');
+  8 prompts x 4, 96 tokens; against a checkout only.
+Both sample at T=1 without top-k or top-p and take 2 updates per rollout on the whole batch, with beta 0.04 and a
+reference model, gradient clipping at 1.0. TRL runs with `gradient_checkpointing=False` and, on CPU, `bf16=False`,
+`loss_type="grpo"`, `num_iterations=2`, the same prompts (`common.format_prompt`) and reward (`common.score`): `pip
+install -r benchmarks/requirements.txt`. On a GPU, benchmarks/gpu_check.py runs the comparison at its own shape.
 
-A round is one training step: sampling, scoring, old and reference log-probs, the updates and the
-step's logging. Each trainer runs in its own process (its own threads and random state); only one
-works at a time, the other waits. Printed: each trainer's median seconds per round and the range, the
-split of the file's round (generation, log-probs, update; TRL's: generating and scoring, with its
-log-probs, and the rest), and the ratio: the median of each round's time over its neighbour's in the other
-trainer, with the range. The last line is the same as JSON. Not a test: figures depend on the machine.
+A round is one training step: sampling, scoring, old and reference log-probs, the updates and the logging. Each
+trainer runs in its own process; only one works at a time. Printed: each trainer's median seconds per round and
+range, the split of the round (TRL's: generating and scoring, with its log-probs, and the rest), the share of the
+positions the update computed that were padding, and the positions model.generate computed per completion; and
+the median ratio of neighbouring rounds, with its range. The last line is the same as JSON. Not a test.
 """
-
 import contextlib
 import importlib
 import json
@@ -49,26 +47,32 @@ import tyro
 ROOT = Path(__file__).resolve().parent.parent
 # Nothing of the project is imported at the top: a worker imports the algorithm file of its own checkout.
 
-UPDATES_PER_ROLLOUT, LEARNING_RATE, BETA = 2, 2e-4, 0.04  # grpo.py's defaults
+UPDATES_PER_ROLLOUT, BETA = 2, 0.04  # grpo.py's defaults
 # Qwen/Qwen3-0.6B's config.json (written out: nothing is downloaded).
 QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                   rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu")
 
 
-def realistic_model(folder: Path) -> None:
-    """Qwen3-0.6B's architecture with 4 layers and random weights (seed 0), with the offline tokenizer."""
+def realistic_model(folder: Path, varied: bool = False) -> None:
+    """Qwen3-0.6B with 4 layers, random weights (seed 0) and the offline tokenizer. `varied`: residual dimension 0 is 1
+    everywhere (in every embedding; no layer writes it), ~0.84 after the final norm, and 1 + 7.2 in EOS's embedding."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     torch.manual_seed(0)
-    save_with_offline_tokenizer(AutoModelForCausalLM.from_config(Qwen3Config(**{**QWEN3_0_6B, "num_hidden_layers": 4})),
-                                folder)
+    model = AutoModelForCausalLM.from_config(Qwen3Config(**{**QWEN3_0_6B, "num_hidden_layers": 4}))
+    with torch.no_grad():
+        for layer in model.model.layers if varied else ():
+            layer.self_attn.o_proj.weight[0] = layer.mlp.down_proj.weight[0] = 0
+        if varied:
+            model.model.embed_tokens.weight[:, 0] = 1.0
+            model.model.embed_tokens.weight[2, 0] = 1.0 + 7.2  # <|im_end|>, the offline tokenizer's EOS
+    save_with_offline_tokenizer(model, folder)
 
 
 def save_with_offline_tokenizer(model, folder: Path) -> None:
-    """`model` saved to `folder` with the offline default's tokenizer and generation config (EOS, pad): a
-    model folder every trainer can load without the Hub. Ids past the tokenizer's 52 decode to nothing."""
+    """`model` saved with the offline tokenizer and generation config (ids past its 52 decode to nothing)."""
     from transformers import GenerationConfig
 
     model.generation_config = GenerationConfig.from_pretrained(ROOT / "tiny_model")
@@ -78,12 +82,11 @@ def save_with_offline_tokenizer(model, folder: Path) -> None:
 
 
 class Stop(Exception):
-    """Raised in a worker told to stop: its run ends there, after its last timed round."""
+    """Raised in a worker told to stop, after its last timed round."""
 
 
 class Turns:
-    """A worker's side of the turn-taking: `ready()` once loaded, then `done(figures)` after each round;
-    each blocks until the controller says the worker's next round may start."""
+    """A worker's side: `ready()` once loaded, `done(figures)` after each round; each waits for the next turn."""
 
     def __init__(self, conn):
         self.conn, self.start = conn, 0.0
@@ -103,13 +106,15 @@ class Turns:
 
 
 def file_worker(conn, root: str, file: str, flags: list[str]) -> None:
-    """Runs `<root>/<file>.py`'s main with `flags`, one step per turn: the turn starts when its Logger
-    exists and ends when a step's metrics are logged, with the step's `perf/*` split."""
+    """Runs `<root>/<file>.py`'s main with `flags`, one step per turn (from its Logger's creation to each step's
+    log), with the step's `perf/*`, the positions the update's forwards computed and how many were padding, and
+    model.generate's (rows x new tokens: an ended row keeps its place until the batch ends)."""
     sys.stdout = open(os.devnull, "w")  # the run's progress lines; errors still go to stderr
     sys.path.insert(0, root)
-    module = importlib.import_module(file)
+    module, mixin = importlib.import_module(file), importlib.import_module("transformers").GenerationMixin
     turns, logger_class = Turns(conn), module.Logger
-    init, log = logger_class.__init__, logger_class.log
+    init, log, get_logprobs, generate = logger_class.__init__, logger_class.log, module.get_logprobs, mixin.generate
+    counts = dict.fromkeys(("update_positions", "update_padding", "update_tokens", "sampled_positions"), 0)
 
     def init_then_wait(self, *args, **kwargs):
         init(self, *args, **kwargs)
@@ -117,20 +122,35 @@ def file_worker(conn, root: str, file: str, flags: list[str]) -> None:
 
     def log_then_wait(self, step, metrics):
         log(self, step, metrics)
-        turns.done({key.removeprefix("perf/"): value for key, value in metrics.items() if key.startswith("perf/")})
+        turns.done({key.removeprefix("perf/"): value for key, value in metrics.items() if key.startswith("perf/")}
+                   | counts)
+        counts.update(dict.fromkeys(counts, 0))
 
-    logger_class.__init__, logger_class.log = init_then_wait, log_then_wait
+    def count(_, args, kwargs):  # a forward's new positions, and those the attention mask leaves out
+        counts["update_positions"] += kwargs["input_ids"].numel()
+        counts["update_padding"] += int((kwargs["attention_mask"][:, -kwargs["input_ids"].shape[1]:] == 0).sum())
+
+    def counted_get_logprobs(model, ids, mask, P, *args, **kwargs):  # the update's (the file's own calls)
+        counts["update_tokens"] += int(mask[:, P:].sum())  # the response tokens it scores
+        with getattr(model, "module", model).register_forward_pre_hook(count, with_kwargs=True):
+            return get_logprobs(model, ids, mask, P, *args, **kwargs)
+
+    def counted_generate(self, *args, **kwargs):
+        out = generate(self, *args, **kwargs)
+        counts["sampled_positions"] += out.shape[0] * (out.shape[1] - kwargs["input_ids"].shape[1])
+        return out
+
+    logger_class.__init__, logger_class.log, module.get_logprobs = init_then_wait, log_then_wait, counted_get_logprobs
+    mixin.generate = counted_generate
     with contextlib.suppress(Stop):
         module.main(module.cli(module.Args, flags))
 
 
 def trl_worker(conn, model: str, shape: "Shape", rounds: int, seed: int, vllm: bool = False) -> None:
-    """TRL's GRPOTrainer at grpo.py's configuration, one rollout round (UPDATES_PER_ROLLOUT optimizer
-    steps) per turn; reports the seconds spent generating and scoring (with the old and reference
-    log-probs: TRL computes them there). The whole batch is sampled at once and each optimizer step
-    accumulates it in micro-batches of `shape.micro_batch_size`, as the files do; bf16 weights on GPU
-    (`--dtype auto`), fp32 on CPU. With `vllm`, TRL samples with its colocated vLLM engine (its defaults:
-    30% of the GPU's memory, importance sampling correction on)."""
+    """TRL's GRPOTrainer at grpo.py's configuration, a rollout round (UPDATES_PER_ROLLOUT optimizer steps) per turn,
+    with the seconds of generating and scoring (where TRL computes the old and reference log-probs); the batch sampled
+    at once, accumulated in micro-batches of `shape.micro_batch_size` as the files do; bf16 on GPU, fp32 on CPU; with
+    `vllm` its colocated engine (its defaults: 30% of the GPU's memory, importance sampling correction on)."""
     sys.stdout = open(os.devnull, "w")
     sys.path.insert(0, str(ROOT))
     import torch
@@ -169,7 +189,7 @@ def trl_worker(conn, model: str, shape: "Shape", rounds: int, seed: int, vllm: b
             max_steps=(rounds + 1) * UPDATES_PER_ROLLOUT, per_device_train_batch_size=micro_batch,
             gradient_accumulation_steps=batch // micro_batch, steps_per_generation=batch // micro_batch,
             num_iterations=UPDATES_PER_ROLLOUT, num_generations=shape.group_size, top_k=0, top_p=1.0,
-            max_completion_length=shape.max_new_tokens, temperature=1.0, learning_rate=LEARNING_RATE,
+            max_completion_length=shape.max_new_tokens, temperature=1.0, learning_rate=shape.learning_rate,
             lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
             adam_epsilon=1e-8, max_grad_norm=1.0, epsilon=0.2, beta=BETA, scale_rewards="group", loss_type="grpo",
             mask_truncated_completions=False, bf16=gpu, fp16=False, gradient_checkpointing=False, use_cpu=not gpu,
@@ -195,10 +215,9 @@ class Worker:
 
     def __init__(self, name: str, target, *args):
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: its own imports, threads and RNG
-        self.name, (self.conn, child) = name, context.Pipe()
+        self.name, (self.conn, child), self.rounds = name, context.Pipe(), []
         self.process = context.Process(target=target, args=(child, *args), daemon=True)
         self.process.start()
-        self.rounds: list[dict] = []
 
     def receive(self) -> tuple[str, dict]:
         try:
@@ -226,20 +245,21 @@ class Shape:
     group_size: int
     max_new_tokens: int
     micro_batch_size: Optional[int] = None  # sequences per forward/backward; None: the whole batch
+    learning_rate: float = 2e-4  # grpo.py's default; 1e-7 for varied: its lengths must stay as they are
 
     def flags(self) -> list[str]:
         return [f for key, value in asdict(self).items() if value is not None
                 for f in (f"--{key.replace('_', '-')}", str(value))]
 
 
-SHAPES = {"default": Shape(32, 8, 8), "realistic": Shape(4, 4, 32)}
+SHAPES = {"default": Shape(32, 8, 8), "realistic": Shape(4, 4, 32), "varied": Shape(4, 4, 256, learning_rate=1e-7),
+          "tool": Shape(8, 4, 96)}
 
 
 def compare(file: str, against: str, model: str, shape: Shape, rounds: int, warmup: int, flags: list[str],
-            seed: int, output_dir: str, trl_vllm: bool = False) -> dict:
-    """`<file>.py` of this checkout against TRL (`against="trl"`) or the same file in the checkout at the
-    path `against`, both on `model` at `shape`: `warmup` rounds each in turns, then `rounds` each in
-    blocks of A B B A. Returns each trainer's rounds and figures, and the ratio of neighbouring rounds."""
+            seed: int, output_dir: str, trl_vllm: bool = False, this_flags: list[str] = ()) -> dict:
+    """`<file>.py` of this checkout against TRL or the same file of the checkout at `against`, on `model` at `shape`:
+    `warmup` rounds each, then `rounds` in blocks of A B B A; each trainer's figures, and the ratio of neighbours."""
     if rounds < 2 or rounds % 2:
         raise SystemExit(f"error: --rounds {rounds}: must be a positive multiple of 2 (blocks of A B B A)")
     if against == "trl" and importlib.util.find_spec("trl") is None:
@@ -248,17 +268,13 @@ def compare(file: str, against: str, model: str, shape: Shape, rounds: int, warm
         raise SystemExit(f"error: --against {against}: neither 'trl' nor a folder with {file}.py")
     flags = ["--model", model, "--seed", str(seed), "--eval-every", "0", "--output-dir", output_dir,
              "--num-steps", str(warmup + rounds + 1), *shape.flags(), *flags]
-    this = Worker(f"{file}.py", file_worker, str(ROOT), file, [*flags, "--run-name", "this"])
-    if against == "trl":
-        other = Worker("TRL", trl_worker, model, shape, warmup + rounds, seed, trl_vllm)
-    else:
-        other = Worker(f"{against}/{file}.py", file_worker, str(Path(against).resolve()), file,
-                       [*flags, "--run-name", "other"])
+    this = Worker(f"{file}.py", file_worker, str(ROOT), file, [*flags, *this_flags, "--run-name", "this"])
+    other = Worker("TRL", trl_worker, model, shape, warmup + rounds, seed, trl_vllm) if against == "trl" else \
+        Worker(f"{against}/{file}.py", file_worker, str(Path(against).resolve()), file, [*flags, "--run-name", "other"])
     for worker in (this, other):
         worker.receive()  # loaded, waiting for its first turn
-    for _ in range(warmup):
-        this.run_round(False)
-        other.run_round(False)
+    for worker in (this, other) * warmup:
+        worker.run_round(False)
     for _ in range(rounds // 2):
         for worker in (this, other, other, this):
             worker.run_round(True)
@@ -273,8 +289,7 @@ def compare(file: str, against: str, model: str, shape: Shape, rounds: int, warm
 def summary(rounds: list[dict]) -> dict:
     times = [r["round_s"] for r in rounds]
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)} | {
-        key: statistics.median(r[key] for r in rounds) for key in ("gen_s", "logprobs_s", "update_s", "rollout_s")
-        if key in rounds[0]}
+        key: statistics.median(r[key] for r in rounds) for key in rounds[0] if key != "round_s"}
 
 
 def print_comparison(result: dict, shape: Shape, rounds: int, warmup: int) -> None:
@@ -286,6 +301,12 @@ def print_comparison(result: dict, shape: Shape, rounds: int, warmup: int) -> No
     for name, s in zip(names, (result["this"], result["other"])):
         cells = [f"{s[k]:.3f}" if k in s else "-" for k in ("gen_s", "logprobs_s", "update_s", "rollout_s")]
         print(f"| {name} | {s['median_s']:.3f} | {s['min_s']:.3f} | {s['max_s']:.3f} | {' | '.join(cells)} |")
+    for name, s in zip(names, (result["this"], result["other"])):
+        if "update_padding" in s:  # (medians over the rounds)
+            rows = shape.prompts_per_step * shape.group_size
+            print(f"{name}: padding {s['update_padding'] / s['update_positions']:.1%} of the positions the update "
+                  f"computed, {1000 * s['update_s'] / s['update_tokens']:.3f} s per 1,000 response tokens; "
+                  f"model.generate computed {s['sampled_positions'] / rows:.1f} positions a completion")
     print(f"\n{' / '.join(result['names'])}: {result['ratio']:.3f} per round (median of {rounds} neighbouring "
           f"rounds; range {result['ratio_min']:.3f}-{result['ratio_max']:.3f})")
 
@@ -293,28 +314,32 @@ def print_comparison(result: dict, shape: Shape, rounds: int, warmup: int) -> No
 @dataclass
 class Args:
     file: Literal["grpo", "dapo", "cispo", "gvpo", "ppo", "drgrpo", "gspo", "rloo", "sapo", "dppo"] = "grpo"
-    """the algorithm file of this checkout"""
     against: str = "trl"
     """'trl' (TRL's GRPOTrainer at grpo.py's configuration), or another checkout's folder: its --file"""
-    shape: Literal["default", "realistic"] = "default"
+    shape: Literal["default", "realistic", "varied", "tool"] = "default"
     rounds: int = 8
-    """timed rounds of each trainer (a multiple of 2: blocks of A B B A)"""
+    """timed rounds of each trainer (a multiple of 2: blocks of A B B A), after --warmup rounds each"""
     warmup: int = 2
-    """rounds of each trainer before the timed ones, in turns, left out"""
     flags: str = ""
     """more flags for the file(s), given last, as --flags="--micro-batch-size 8" (not for TRL)"""
+    this_flags: str = ""
+    """more flags for this checkout's file only (one the other checkout lacks: --max-tokens-per-micro-batch 1024)"""
     seed: int = 1
 
 
 def main(args: Args) -> None:
-    shape = SHAPES[args.shape]
+    shape, flags = SHAPES[args.shape], shlex.split(args.flags)
+    if args.shape == "tool":  # tool calls: the chain model, episodes of up to 4 turns
+        if args.against == "trl":
+            raise SystemExit("error: --shape tool runs episodes with an environment: compare it --against a checkout")
+        flags = ["--task", "chain", "--env", f"{ROOT / 'examples' / 'sums.py'}:Sums", "--max-turns", "4", *flags]
     with tempfile.TemporaryDirectory() as tmp:
-        model = str(ROOT / "tiny_model")
-        if args.shape == "realistic":
+        model = str(ROOT / ("tiny_model_chain" if args.shape == "tool" else "tiny_model"))
+        if args.shape in ("realistic", "varied"):
             model = str(Path(tmp) / "model")
-            realistic_model(Path(model))
-        result = compare(args.file, args.against, model, shape, args.rounds, args.warmup, shlex.split(args.flags),
-                         args.seed, str(Path(tmp) / "runs"))
+            realistic_model(Path(model), varied=args.shape == "varied")
+        result = compare(args.file, args.against, model, shape, args.rounds, args.warmup, flags, args.seed,
+                         str(Path(tmp) / "runs"), this_flags=shlex.split(args.this_flags))
     print_comparison(result, shape, args.rounds, args.warmup)
     print(json.dumps({"shape": args.shape, "file": args.file, "against": args.against,
                       **{k: v for k, v in result.items() if k != "rounds"}}))

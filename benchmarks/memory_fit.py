@@ -1,12 +1,11 @@
-"""What fits: peak memory per GPU of grpo.py's training step, from parameter, gradient, optimizer-state,
-activation and KV-cache bytes, for DDP and --fsdp, with and without --gradient-checkpointing; and the
-same formula checked against measured peak memory of real training steps at tiny shapes on CPU.
+"""What fits: peak memory per GPU of grpo.py's training step (weights, gradients, optimizer, activations, KV cache),
+for DDP and --fsdp, with and without --gradient-checkpointing; the formula checked against tiny steps on CPU.
 
     python -m benchmarks.memory_fit            # from the repo root: the table in docs/benchmarks.md
     python -m benchmarks.memory_fit --check    # formula vs measured peak RSS on CPU (a few minutes)
 
-The formula (bytes per GPU; N parameters, w bytes per weight; W ranks; b sequences of s tokens per
-micro-batch; L layers, hidden H, MLP width I, vocabulary V):
+The formula (bytes per GPU; N parameters, w bytes per weight; W ranks; b sequences of s tokens per micro-batch
+(with --max-tokens-per-micro-batch, b s is at most that); L layers, hidden H, MLP width I, vocabulary V):
     DDP   static = 4 w N (weights, gradients, AdamW's two moments) + w N (DDP's gradient buckets, W > 1)
                    + w N (the frozen reference, beta > 0)
     FSDP  static = 16 N / W (fp32 master weights, gradients, moments, sharded) + 4 N / W (reference)
@@ -125,7 +124,7 @@ def measure_one(layers: int, hidden: int, intermediate: int, batch: int, seq: in
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from common import get_logprobs, peak_rss_bytes
+    from common import get_logprobs, peak_memory_gb
 
     torch.manual_seed(0)
     vocab = 1024
@@ -134,7 +133,7 @@ def measure_one(layers: int, hidden: int, intermediate: int, batch: int, seq: in
     config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
                          max_position_embeddings=seq, tie_word_embeddings=False)
-    base = peak_rss_bytes()
+    base = peak_memory_gb(torch.device("cpu")) * 2**30
     policy, ref = Qwen3ForCausalLM(config), Qwen3ForCausalLM(config).requires_grad_(False)
     if checkpointing:
         policy.activation_checkpointing_enable({"use_reentrant": False})
@@ -145,10 +144,9 @@ def measure_one(layers: int, hidden: int, intermediate: int, batch: int, seq: in
     logprobs, _ = get_logprobs(policy, ids, mask, 1, 1.0)
     logprobs.sum().backward()
     optimizer.step()
-    measured = peak_rss_bytes() - base
+    measured = peak_memory_gb(torch.device("cpu")) * 2**30 - base
     shape = Shape("tiny", layers, hidden, intermediate, 4, 2, vocab=vocab)
-    # a chunk's logits and their temporaries; below get_logprobs' threshold one chunk holds them all, kept for
-    # the backward
+    # a chunk's logits and temporaries; below get_logprobs' threshold one chunk holds them all, kept for the backward
     kept = batch * seq * vocab <= inspect.signature(get_logprobs).parameters["recompute_above"].default
     logprob_head = 6 * (batch * seq if kept else min(batch * seq, 2**25 // vocab)) * vocab * 4
     predicted = peak_bytes(shape, False, 1, checkpointing, batch, seq, 0, w=4, logprob_head=logprob_head)
