@@ -122,8 +122,8 @@ def file_worker(conn, root: str, file: str, flags: list[str]) -> None:
 
     def log_then_wait(self, step, metrics):
         log(self, step, metrics)
-        turns.done({key.removeprefix("perf/"): value for key, value in metrics.items() if key.startswith("perf/")}
-                   | counts)
+        turns.done({key.removeprefix("perf/"): float(value) for key, value in metrics.items()
+                    if key.startswith("perf/")} | counts)
         counts.update(dict.fromkeys(counts, 0))
 
     def count(_, args, kwargs):  # a forward's new positions, and those the attention mask leaves out
