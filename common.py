@@ -79,16 +79,14 @@ class UsageError(ValueError):
 # (flag, valid, what it must be, why): the flags every algorithm file shares, checked by `check_flags`.
 FLAG_RULES = [
     ("num_steps", lambda v: v >= 1, ">= 1", "0 would save the untrained model as final/"),
-    ("prompts_per_step", lambda v: v >= 1, ">= 1", ""),
-    ("group_size", lambda v: v >= 1, ">= 1", ""),
+    ("prompts_per_step", lambda v: v >= 1, ">= 1", ""), ("group_size", lambda v: v >= 1, ">= 1", ""),
     ("max_new_tokens", lambda v: v >= 1, ">= 1", "each completion has at least its EOS token"),
     ("max_turns", lambda v: v >= 1, ">= 1", "1: single-turn"),
     ("seed", lambda v: 0 <= v < 2**63, "in [0, 2**63)", "torch's seeds are 64-bit; each rank adds its rank"),
     ("temperature", lambda v: v >= 0.01, ">= 0.01", "the log-probs divide the logits by it, and below 0.01 float32 "
      "loses the precision a ratio needs; eval/accuracy_greedy reports greedy decoding"),
     ("learning_rate", lambda v: v > 0, "> 0", ""),
-    ("updates_per_rollout", lambda v: v >= 1, ">= 1", ""),
-    ("num_minibatches", lambda v: v >= 1, ">= 1", ""),
+    ("updates_per_rollout", lambda v: v >= 1, ">= 1", ""), ("num_minibatches", lambda v: v >= 1, ">= 1", ""),
     ("micro_batch_size", lambda v: v is None or v >= 1, ">= 1", "or left out: the whole minibatch"),
     ("max_tokens_per_micro_batch", lambda v: v is None or v >= 1, ">= 1", "or left out: no limit"),
     ("max_grad_norm", lambda v: v > 0, "> 0", "inf: no clipping"),
@@ -833,6 +831,8 @@ def sample_hf(model, tokenizer, ids: list[list[int]], group_size: int, max_new_t
     # others (synced_gpus) instead of leaving them waiting for its shards.
     synced = dist.is_initialized() and isinstance(unwrap(model), FSDPModule)
     checkpoint_config, model.generation_config = model.generation_config, config
+    if synced and is_lora(model):  # peft's generate skips its root's FSDP hooks: a root forward first gathers it
+        model(input_ids=prompt_ids[:1, :1])
     try:
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
                              logits_processor=None if greedy else [sampler], synced_gpus=synced,

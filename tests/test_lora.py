@@ -16,13 +16,13 @@ from safetensors.torch import load_file
 
 from common import (
     DEFAULT_MODEL,
-    AdaptersOff,
     add_lora,
     cli,
     format_prompt,
     generate,
     get_logprobs,
     load_model,
+    load_reference,
     load_tokenizer,
     plain_weights,
 )
@@ -78,19 +78,22 @@ def test_plain_weights_are_peft_merge_and_unload():
 
 
 def test_the_reference_is_the_base_model_without_a_copy():
-    """AdaptersOff(policy) gives the log-probs of the model as loaded, while the policy's own differ."""
+    """load_reference with LoRA: the policy with its adapters off, a function; it gives the log-probs of the model
+    as loaded, while the policy's own differ."""
     model, tokenizer = lora_policy()
     prompts = [format_prompt(tokenizer, p, True) for p in ("1+2", "45+67", "99+9")]
     rollout = generate(model, tokenizer, prompts, 4, 8, 1.0)
     args = (rollout.input_ids, rollout.attention_mask, rollout.prompt_length, 1.0)
+    adapters_off = load_reference(None, model, tokenizer, CPU)  # args: read only without LoRA
     base = load_model(DEFAULT_MODEL, "float32", CPU, tokenizer)
     with torch.no_grad():
         expected, _ = get_logprobs(base, *args)
-        reference, _ = get_logprobs(AdaptersOff(model), *args)
+        reference, _ = get_logprobs(adapters_off, *args)
         policy, _ = get_logprobs(model, *args)
     torch.testing.assert_close(reference, expected, rtol=0, atol=1e-6)
     assert (policy - expected).abs().max() > 1e-2
-    assert not vars(AdaptersOff(model)).keys() - {"module"}  # holds no weights of its own
+    assert not isinstance(adapters_off, torch.nn.Module) and vars(adapters_off).keys() == {"module"}  # no weights
+    assert adapters_off.module is model
 
 
 def lora_run(tmp_path: Path, algo: str, name: str, *flags: str, torchrun: int = 0) -> Path:
@@ -165,12 +168,14 @@ def test_two_ranks_micro_batches_and_fsdp_give_the_same_adapters(tmp_path, mixed
 @pytest.mark.parametrize("mode", ["one", "ddp", "fsdp"])
 def test_a_lora_run_resumed_from_a_checkpoint_matches(tmp_path, mode):
     """Cut back to its step-2 checkpoint (adapters, optimizer state, RNG) and resumed, a LoRA run ends with
-    the adapters and metrics of the run that went through, bitwise."""
+    the adapters and metrics of the run that went through, bitwise. It evaluates at steps 0 and 3: with FSDP, greedy
+    single completions (peft's generate, which skips the root's FSDP hooks) before any other forward and after."""
     import shutil
 
     from test_resume import without_timings
 
-    flags = ["--num-steps", "4", "--save-every", "2", *(["--fsdp"] if mode == "fsdp" else [])]
+    flags = ["--num-steps", "4", "--save-every", "2", "--eval-every", "3", "--eval-size", "4",
+             *(["--fsdp"] if mode == "fsdp" else [])]
     torchrun = 0 if mode == "one" else 2
     lora_run(tmp_path, "grpo", "whole", *flags, torchrun=torchrun)
     shutil.copytree(tmp_path / "whole", tmp_path / "cut")
