@@ -375,6 +375,7 @@ def main(args: Args) -> None:
     # What the update calls: DDP averages gradients over ranks (FSDP2 has sharded in place: nothing to wrap).
     wrapped = {name: DDP(m) if args.world_size > 1 and not args.fsdp else m for name, m in trained.items()}
     model = wrapped["policy"]
+    cut = (args.micro_batch_size, args.max_tokens_per_micro_batch, args.group_size)  # micro_batches' limits
     # The sampler: model.generate, or a vLLM engine on this rank's device that gets the policy's weights
     vllm = load_vllm(args, rank, optimizer)
     claim_run_dir(run_dir, resume_dir, rank)  # created and locked: from here on this run writes there
@@ -431,8 +432,7 @@ def main(args: Args) -> None:
         # ---
         with timed(times, "logprobs"):
             b_old_logprobs = (torch.zeros_like(b_response_mask) if old_in_pass_1  # (B, T), filled in by pass 1
-                              else rollout_logprobs(model, b_rollout, args.temperature, args.micro_batch_size,
-                                                    args.max_tokens_per_micro_batch, args.group_size))
+                              else rollout_logprobs(model, b_rollout, args.temperature, *cut))
 
         # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
         update_start, update_metrics = time.perf_counter(), {}  # (sum, count) of each metric: `add_metrics`
@@ -447,8 +447,7 @@ def main(args: Args) -> None:
                 # --- algorithm: the loss is a mean over the step's groups (as many on every rank), each whole in
                 # a micro-batch ---
                 num_groups = len(mb_idx) // args.group_size
-                parts = micro_batches(mb_idx, b_attention_mask, b_rollout.prompt_length, args.micro_batch_size,
-                                      args.max_tokens_per_micro_batch, args.group_size, whole=True)
+                parts = micro_batches(mb_idx, b_attention_mask, b_rollout.prompt_length, *cut, whole=True)
                 # ---
                 for k, idx in enumerate(parts):
                     # Gradients are synced over ranks once per optimizer step, on the last micro-batch.
@@ -490,8 +489,7 @@ def main(args: Args) -> None:
         metrics["algo/beta"] = state["beta"]
         if args.target_kl:  # the next step's beta, from KL(pi_anchor || pi_theta) on this step's own samples
             with torch.no_grad():  # a forward pass more, of the updated policy
-                log_ratio = rollout_logprobs(model, b_rollout, args.temperature, args.micro_batch_size,
-                                             args.max_tokens_per_micro_batch, args.group_size) - b_old_logprobs
+                log_ratio = rollout_logprobs(model, b_rollout, args.temperature, *cut) - b_old_logprobs
             kl = ((log_ratio.exp() - 1 - log_ratio) * b_response_mask).sum(-1)[b_sampled_now]  # (n,) k3 per completion
             kl_sum, count = all_reduce(torch.stack([kl.sum(), kl.new_tensor(len(kl))])).tolist()
             metrics["algo/kl_to_anchor"] = kl_sum / max(count, 1)

@@ -501,6 +501,7 @@ def main(args: Args) -> None:
     # What the update calls: DDP averages gradients over ranks (FSDP2 has sharded in place: nothing to wrap).
     wrapped = {name: DDP(m) if args.world_size > 1 and not args.fsdp else m for name, m in trained.items()}
     model = wrapped["policy"]
+    cut = (args.micro_batch_size, args.max_tokens_per_micro_batch, args.group_size)  # micro_batches' limits
     # The sampler: model.generate, or a vLLM engine on this rank's device that gets the policy's weights
     vllm = load_vllm(args, rank, optimizer)
     # --- algorithm: the critic, as the update calls it ---
@@ -541,16 +542,14 @@ def main(args: Args) -> None:
         # ---
         with timed(times, "logprobs"):
             b_old_logprobs = (torch.zeros_like(b_response_mask) if old_in_pass_1  # (B, T), filled in by pass 1
-                              else rollout_logprobs(model, b_rollout, args.temperature, args.micro_batch_size,
-                                                    args.max_tokens_per_micro_batch, args.group_size))
+                              else rollout_logprobs(model, b_rollout, args.temperature, *cut))
             # --- algorithm: the reference model's log-probs, for the KL penalty, and the critic's old values ---
             b_ref_logprobs = None
             if ref_policy is not None:
-                b_ref_logprobs = rollout_logprobs(ref_policy, b_rollout, args.temperature, args.micro_batch_size,
-                                                  args.max_tokens_per_micro_batch, args.group_size)
+                b_ref_logprobs = rollout_logprobs(ref_policy, b_rollout, args.temperature, *cut)
             b_old_values = torch.zeros_like(b_response_mask)  # (B, T)
-            for idx in micro_batches(torch.arange(len(b_ids), device=device), b_attention_mask, b_rollout.prompt_length,
-                                     args.micro_batch_size, args.max_tokens_per_micro_batch, args.group_size):
+            all_rows = torch.arange(len(b_ids), device=device)
+            for idx in micro_batches(all_rows, b_attention_mask, b_rollout.prompt_length, *cut):
                 with torch.no_grad():
                     b_old_values[idx] = critic_model(b_ids[idx], b_attention_mask[idx], b_rollout.prompt_length)
             # ---
@@ -587,8 +586,7 @@ def main(args: Args) -> None:
                 mb_idx = b_order[start : start + minibatch_size].sort().values  # sorted: a group's rows together
                 # --- algorithm: the loss is a sum over the step's response tokens, over every rank; micro-batches ---
                 num_tokens = all_reduce(b_response_mask[mb_idx].sum()) / args.world_size
-                parts = micro_batches(mb_idx, b_attention_mask, b_rollout.prompt_length, args.micro_batch_size,
-                                      args.max_tokens_per_micro_batch, args.group_size)  # as many on every rank
+                parts = micro_batches(mb_idx, b_attention_mask, b_rollout.prompt_length, *cut)  # as many on every rank
                 # ---
                 for k, idx in enumerate(parts):
                     # Gradients are synced over ranks once per optimizer step, on the last micro-batch.

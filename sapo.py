@@ -344,6 +344,7 @@ def main(args: Args) -> None:
     # What the update calls: DDP averages gradients over ranks (FSDP2 has sharded in place: nothing to wrap).
     wrapped = {name: DDP(m) if args.world_size > 1 and not args.fsdp else m for name, m in trained.items()}
     model = wrapped["policy"]
+    cut = (args.micro_batch_size, args.max_tokens_per_micro_batch, args.group_size)  # micro_batches' limits
     # The sampler: model.generate, or a vLLM engine on this rank's device that gets the policy's weights
     vllm = load_vllm(args, rank, optimizer)
     claim_run_dir(run_dir, resume_dir, rank)  # created and locked: from here on this run writes there
@@ -378,13 +379,11 @@ def main(args: Args) -> None:
         # ---
         with timed(times, "logprobs"):
             b_old_logprobs = (torch.zeros_like(b_response_mask) if old_in_pass_1  # (B, T), filled in by pass 1
-                              else rollout_logprobs(model, b_rollout, args.temperature, args.micro_batch_size,
-                                                    args.max_tokens_per_micro_batch, args.group_size))
+                              else rollout_logprobs(model, b_rollout, args.temperature, *cut))
             # --- algorithm: the reference model's log-probs, for the KL penalty ---
             b_ref_logprobs = None
             if ref_policy is not None:
-                b_ref_logprobs = rollout_logprobs(ref_policy, b_rollout, args.temperature, args.micro_batch_size,
-                                                  args.max_tokens_per_micro_batch, args.group_size)
+                b_ref_logprobs = rollout_logprobs(ref_policy, b_rollout, args.temperature, *cut)
             # ---
 
         # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
@@ -398,8 +397,7 @@ def main(args: Args) -> None:
                 mb_idx = b_order[start : start + minibatch_size].sort().values  # sorted: a group's rows together
                 # --- algorithm: the loss is a mean over the step's sequences, on every rank; micro-batches ---
                 num_sequences = all_reduce((b_response_mask[mb_idx].sum(-1) > 0).sum()) / args.world_size
-                parts = micro_batches(mb_idx, b_attention_mask, b_rollout.prompt_length, args.micro_batch_size,
-                                      args.max_tokens_per_micro_batch, args.group_size)  # as many on every rank
+                parts = micro_batches(mb_idx, b_attention_mask, b_rollout.prompt_length, *cut)  # as many on every rank
                 # ---
                 for k, idx in enumerate(parts):
                     # Gradients are synced over ranks once per optimizer step, on the last micro-batch.
