@@ -17,5 +17,5 @@ class Sums:
         if not action.endswith("="):  # the final answer
             return None, float(action.rsplit("####", 1)[-1].strip() == self.answer), True
         terms = action.rsplit(" ", 1)[-1].removesuffix("=").split("+")  # the call: '12+7'
-        value = sum(map(int, terms)) if all(term.isdigit() for term in terms) else "error: not a sum"
+        value = sum(map(int, terms)) if all(term.isdigit() for term in terms) else "not a sum"
         return {"role": "tool", "content": str(value)}, 0.0, False
