@@ -8,8 +8,8 @@ algorithm's equations: advantages, ratios, clipping, KL and loss aggregation liv
 4. Data: `load_task` (built-in tasks, JSONL, `datasets`; prompts that fit), `format_prompt`, `prompt_batch`
 5. Rewards and evaluation: `score` (correctness, exact or by math-verify; format; a user's function), `evaluate`
 6. Generation and log-probs: `Rollout`, `generate` (`model.generate`, or vllm_engine.py's engine: `load_vllm`),
-   `given_rollout`, `micro_batches` (by a token budget), `get_logprobs` (on the columns the rows use),
-   `sampler_logprob_gap`, `rollout_weights` and `reweighted` (the rollout correction)
+   `micro_batches` (by a token budget), `get_logprobs` (on the columns the rows use), `sampler_logprob_gap`,
+   `rollout_weights` and `reweighted` (the rollout correction)
 7. Metrics and logging: `Logger` (stdout, metrics.jsonl, TensorBoard, W&B), `add_metrics`, `step_metrics`
 8. Run folder: `prepare_run_dir`, `claim_run_dir`, `resume_hint` (the rules: docs/checkpoints.md)
 9. Checkpoints: `save_checkpoint`, `load_checkpoint` (torch.distributed.checkpoint, safetensors only)
@@ -63,8 +63,7 @@ DEFAULT_MODEL = str(HERE / "tiny_model")  # made by make_tiny_model.py
 TASKS = {"add": (DEFAULT_MODEL, 8), "chain": (str(HERE / "tiny_model_chain"), 64),
          "guess": (str(HERE / "tiny_model_guess"), 192)}
 GUESS = f"{HERE / 'examples' / 'guess.py'}:Guess"  # --task guess's environment, loaded as an --env is
-# The KV cache's name in forward's arguments and outputs: `cache` from transformers 5.20, `past_key_values`
-# before (vLLM's CPU build, which the tests use, pins an older transformers than requirements.txt).
+# The KV cache's name in forward's arguments and outputs: `cache` from transformers 5.20 (vLLM's CPU build: older)
 CACHE = "cache" if "cache" in transformers.modeling_outputs.CausalLMOutputWithPast.__dataclass_fields__ else \
     "past_key_values"
 
@@ -85,18 +84,15 @@ FLAG_RULES = [
     ("seed", lambda v: 0 <= v < 2**63, "in [0, 2**63)", "torch's seeds are 64-bit; each rank adds its rank"),
     ("temperature", lambda v: v >= 0.01, ">= 0.01", "the log-probs divide the logits by it, and below 0.01 float32 "
      "loses the precision a ratio needs; eval/accuracy_greedy reports greedy decoding"),
-    ("learning_rate", lambda v: v > 0, "> 0", ""),
+    ("learning_rate", lambda v: v > 0, "> 0", ""), ("dist_timeout", lambda v: v > 0, "> 0", "minutes"),
     ("updates_per_rollout", lambda v: v >= 1, ">= 1", ""), ("num_minibatches", lambda v: v >= 1, ">= 1", ""),
     ("micro_batch_size", lambda v: v is None or v >= 1, ">= 1", "or left out: the whole minibatch"),
     ("max_tokens_per_micro_batch", lambda v: v is None or v >= 1, ">= 1", "or left out: no limit"),
     ("max_grad_norm", lambda v: v > 0, "> 0", "inf: no clipping"),
-    ("weight_decay", lambda v: v >= 0, ">= 0", ""),
-    ("eval_every", lambda v: v >= 0, ">= 0", "0: never evaluate"),
+    ("weight_decay", lambda v: v >= 0, ">= 0", ""), ("eval_every", lambda v: v >= 0, ">= 0", "0: never evaluate"),
     ("save_every", lambda v: v >= 0, ">= 0", "0: only the final weights"),
-    ("keep_checkpoints", lambda v: v >= 0, ">= 0", "0: keep all"),
-    ("eval_size", lambda v: v >= 0, ">= 0", ""),
+    ("keep_checkpoints", lambda v: v >= 0, ">= 0", "0: keep all"), ("eval_size", lambda v: v >= 0, ">= 0", ""),
     ("max_prompt_length", lambda v: v is None or v >= 1, ">= 1", "or left out: as long as the model allows"),
-    ("dist_timeout", lambda v: v > 0, "> 0", "minutes"),
     ("correction_cap", lambda v: v >= 1, ">= 1", "pi_old / pi_sampler is 1 where the two agree"),
     ("lora_rank", lambda v: v >= 0, ">= 0", "0: full fine-tuning"),
     ("lora_alpha", lambda v: v > 0, "> 0", "the adapters' scale is alpha / rank"),
@@ -229,9 +225,8 @@ def all_reduce_mean(metrics: dict[str, float | torch.Tensor | tuple]) -> dict[st
 def add_metrics(totals: dict[str, tuple], metrics: dict[str, float | torch.Tensor | tuple]) -> None:
     """`metrics` (a micro-batch's) added into `totals`: (sum, count) pairs, a plain value counted once. Logged as sum /
     count over the step and ranks, a mean weighted by what it averages: the same however the rows are cut."""
-    for key, value in metrics.items():
-        totals[key] = tuple(a + b for a, b in zip(totals.get(key, (0, 0)), value if isinstance(value, tuple) else
-                                                  (value, 1)))
+    totals.update({key: tuple(a + b for a, b in zip(totals.get(key, (0, 0)), v if isinstance(v, tuple) else (v, 1)))
+                   for key, v in metrics.items()})
 
 
 def no_sync(models, last: bool) -> contextlib.ExitStack:
@@ -827,16 +822,22 @@ def sample_hf(model, tokenizer, ids: list[list[int]], group_size: int, max_new_t
                               bos_token_id=model.generation_config.bos_token_id, do_sample=False,  # Sampler draws
                               stop_strings=list(stop) or None)
     sampler = Sampler(temperature)
-    # Under FSDP every forward is collective: a rank whose completions all ended keeps stepping with the
-    # others (synced_gpus) instead of leaving them waiting for its shards.
-    synced = dist.is_initialized() and isinstance(unwrap(model), FSDPModule)
+    synced = dist.is_initialized() and isinstance(unwrap(model), FSDPModule)  # FSDP: a rank done keeps stepping
     checkpoint_config, model.generation_config = model.generation_config, config
     if synced and is_lora(model):  # peft's generate skips its root's FSDP hooks: a root forward first gathers it
         model(input_ids=prompt_ids[:1, :1])
     try:
+        cache = None  # each prompt's keys and values but its last token's, computed once for its group's rows
+        if on_every_rank(model, group_size > 1 and enc.input_ids.shape[1] > 1, model.device):
+            prefix, mask = enc.input_ids[:, :-1], enc.attention_mask[:, :-1]
+            kv = getattr(model(input_ids=prefix, attention_mask=mask, position_ids=position_ids(mask), use_cache=True,
+                               logits_to_keep=1), CACHE)
+            if plain_cache(kv, prefix.shape[1]):  # else each row runs its prompt (linear attention, checkpointing)
+                kv.batch_repeat_interleave(group_size)
+                cache = kv
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
                              logits_processor=None if greedy else [sampler], synced_gpus=synced,
-                             tokenizer=tokenizer if stop else None)
+                             tokenizer=tokenizer if stop else None, **{CACHE: cache})
     finally:
         model.generation_config = checkpoint_config
     responses = out[:, prompt_ids.shape[1]:].tolist()  # (B, L), padded after EOS
@@ -1566,8 +1567,7 @@ def _unflatten(value, tensors: dict):
     return {k: _unflatten(v, tensors) for k, v in inner.items()}
 
 
-def load_checkpoint(path: Path | None, modules: dict[str, torch.nn.Module], optimizer, rank: int
-                    ) -> tuple[int, dict]:
+def load_checkpoint(path: Path | None, modules: dict[str, torch.nn.Module], optimizer, rank: int) -> tuple[int, dict]:
     """Restore what `save_checkpoint` wrote, in place, and this rank's RNG: (the step to go on from, its algo state);
     (0, {}) for None. Nothing is unpickled. As many ranks as saved: a rank's sampling and state are its own."""
     if path is None:

@@ -1,5 +1,5 @@
 """Run by tests/test_runs.py under torchrun with 2 ranks: a prompt that rows share runs once
-(common.response_hidden_states) only where every rank can share, since a
+(common.response_hidden_states, and in sampling common.sample_hf) only where every rank can share, since a
 DDP or FSDP model's forward is collective (DDP broadcasts buffers, FSDP all-gathers weights): a rank
 that ran two forwards where the other ran one would pair mismatched collectives. Rank 0's rows share
 their prompts, rank 1's do not. For DDP and for FSDP, one backward of the log-probs, then sampling:
