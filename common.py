@@ -824,8 +824,6 @@ def sample_hf(model, tokenizer, ids: list[list[int]], group_size: int, max_new_t
     sampler = Sampler(temperature)
     synced = dist.is_initialized() and isinstance(unwrap(model), FSDPModule)  # FSDP: a rank done keeps stepping
     checkpoint_config, model.generation_config = model.generation_config, config
-    if synced and is_lora(model):  # peft's generate skips its root's FSDP hooks: a root forward first gathers it
-        model(input_ids=prompt_ids[:1, :1])
     try:
         cache = None  # each prompt's keys and values but its last token's, computed once for its group's rows
         if on_every_rank(model, group_size > 1 and enc.input_ids.shape[1] > 1, model.device):
@@ -835,6 +833,8 @@ def sample_hf(model, tokenizer, ids: list[list[int]], group_size: int, max_new_t
             if plain_cache(kv, prefix.shape[1]):  # else each row runs its prompt (linear attention, checkpointing)
                 kv.batch_repeat_interleave(group_size)
                 cache = kv
+        elif synced and is_lora(model):  # peft's generate skips its root's FSDP hooks: a root forward first gathers it
+            model(input_ids=prompt_ids[:1, :1])
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
                              logits_processor=None if greedy else [sampler], synced_gpus=synced,
                              tokenizer=tokenizer if stop else None, **{CACHE: cache})
