@@ -42,6 +42,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Annotated
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -69,8 +70,6 @@ CACHE = "cache" if "cache" in transformers.modeling_outputs.CausalLMOutputWithPa
 
 
 # 1. Flags -------------------------------------------------------------------------------------------------------
-
-
 class UsageError(ValueError):
     """Bad input (a flag, a file, a dataset row), named with the fix: `__main__` prints one line, exits with 2."""
 
@@ -125,7 +124,7 @@ def check_flags(args) -> None:
     model, max_new_tokens = TASKS[args.task or "add"]  # the defaults that follow the task
     args.model = model if args.model is None else args.model
     args.max_new_tokens = max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
-    args.max_turns = args.max_turns or (7 if args.task == "guess" else 1)
+    args.max_turns = (7 if args.task == "guess" else 1) if args.max_turns is None else args.max_turns
     args.env = args.env or (GUESS if args.task == "guess" else None)  # the game's environment, as an --env
     for name, valid, must, why in FLAG_RULES:
         value = getattr(args, name)
@@ -151,9 +150,8 @@ def check_flags(args) -> None:
     args.local_prompts_per_step = exact_div(
         args.prompts_per_step, args.world_size, "--prompts-per-step must be divisible by the number of ranks")
     args.local_batch_size = args.local_prompts_per_step * args.group_size
-    args.minibatch_size = exact_div(
-        args.local_batch_size, args.num_minibatches,
-        "--num-minibatches must divide the sequences per rank (--prompts-per-step / ranks * --group-size)")
+    args.minibatch_size = exact_div(args.local_batch_size, args.num_minibatches, "--num-minibatches must divide the "
+                                    "sequences per rank (--prompts-per-step / ranks * --group-size)")
     args.micro_batch_size = args.micro_batch_size or args.minibatch_size
     exact_div(args.minibatch_size, args.micro_batch_size,
               "--micro-batch-size must divide the sequences per rank and minibatch")
@@ -167,8 +165,6 @@ def exact_div(numerator: int, denominator: int, message: str) -> int:
 
 
 # 2. Distributed -------------------------------------------------------------------------------------------------
-
-
 def setup_distributed(timeout_minutes: float = 60) -> tuple[int, int, torch.device]:
     """(rank, world_size, device) from torchrun's environment (`python x.py`: rank 0 of 1); collectives time out."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -255,8 +251,6 @@ def on_every_rank(model, flag: bool, device: torch.device) -> bool:
 
 
 # 3. Models ------------------------------------------------------------------------------------------------------
-
-
 def load_tokenizer(name: str, flag: str = "--model"):
     """The tokenizer of a model name or folder (a mistyped --model stops here), padding on the left. Its vocabulary
     never changes: it pads with EOS where it has no pad token (masks, not ids, say where text ends). No code runs."""
@@ -268,8 +262,7 @@ def load_tokenizer(name: str, flag: str = "--model"):
     except (OSError, ValueError) as e:
         raise UsageError(f"{flag} {name!r}: cannot load it ({str(e).strip().splitlines()[0]}). Pass a local folder "
                          "or a Hugging Face model name reachable from this machine.") from None
-    tokenizer.padding_side = "left"
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    tokenizer.padding_side, tokenizer.pad_token = "left", tokenizer.pad_token or tokenizer.eos_token
     return tokenizer
 
 
@@ -303,10 +296,9 @@ def check_output_logits(model, name: str) -> None:
     theirs, ours = out.logits.float(), output_logits(model, out.hidden_states[-1]).float()
     difference = (ours - theirs).abs().max()
     if not difference <= (1e-4 if model.dtype == torch.float32 else 2e-2) * theirs.abs().max().clamp(min=1):
-        raise UsageError(f"--model {name!r}: its forward changes the LM head's logits in a way get_logprobs does "
-                         f"not reproduce (largest difference {difference.item():.3g}). Supported: a plain LM head, "
-                         "final_logit_softcapping, logit_scale, logits_scaling; add its transform to "
-                         "common.output_logits.")
+        raise UsageError(f"--model {name!r}: its forward changes the LM head's logits, unlike get_logprobs (largest "
+                         f"difference {difference.item():.3g}). Supported: a plain LM head, final_logit_softcapping, "
+                         "logit_scale, logits_scaling; add its transform to common.output_logits.")
 
 
 def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -387,28 +379,23 @@ def model_positions(name: str) -> int | None:
 
 
 # 4. Data --------------------------------------------------------------------------------------------------------
-
-
 def builtin_splits(task: str = "add", eval_size: int = 500) -> tuple[list[dict], list[dict]]:
     """(train, held-out) of a built-in task (seeded; the first `eval_size` held out): add, all 10,000 `a+b`; chain,
     20,000 sums of 2-6 numbers, '####', `demo` worked (`12+7=19 19+30=49 #### 49`); guess, 10,000 secrets (`GUESS`)."""
+    rng = random.Random(1234)
     if task == "guess":
-        rng = random.Random(1234)
         examples = [{"prompt": "guess a number from 0 to 99", "answer": str(rng.randrange(100))} for _ in range(10_000)]
-        return examples[eval_size:], examples[:eval_size]
-    if task == "add":
-        pairs = [(a, b) for a in range(100) for b in range(100)]
-        order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(1234)).tolist()
-        examples = [{"prompt": f"{a}+{b}", "answer": str(a + b)} for a, b in (pairs[i] for i in order)]
-        return examples[eval_size:], examples[:eval_size]
-    rng, examples = random.Random(1234), {}
-    while len(examples) < 20_000:
-        numbers = [rng.randrange(100) for _ in range(rng.randint(2, 6))]
-        steps = [f"{sum(numbers[:i])}+{numbers[i]}={sum(numbers[:i + 1])}" for i in range(1, len(numbers))]
-        examples.setdefault("+".join(map(str, numbers)), {
-            "prompt": "+".join(map(str, numbers)), "answer": str(sum(numbers)),
-            "demo": " ".join(steps) + f" #### {sum(numbers)}"})
-    examples = list(examples.values())
+    elif task == "add":  # the i-th sum: a = i // 100, b = i % 100
+        order = torch.randperm(10_000, generator=torch.Generator().manual_seed(1234)).tolist()
+        examples = [{"prompt": f"{i // 100}+{i % 100}", "answer": str(i // 100 + i % 100)} for i in order]
+    else:
+        chains = {}
+        while len(chains) < 20_000:
+            numbers = [rng.randrange(100) for _ in range(rng.randint(2, 6))]
+            steps = [f"{sum(numbers[:i])}+{numbers[i]}={sum(numbers[:i + 1])}" for i in range(1, len(numbers))]
+            chains.setdefault("+".join(map(str, numbers)), {"prompt": "+".join(map(str, numbers)), "answer": str(
+                sum(numbers)), "demo": " ".join(steps) + f" #### {sum(numbers)}"})
+        examples = list(chains.values())
     return examples[eval_size:], examples[:eval_size]
 
 
@@ -488,8 +475,7 @@ def _dataset_records(source: str, flag: str, config: str | None, split: str | No
 
 
 def load_data(dataset: str | None, eval_dataset: str | None, eval_size: int, dataset_config: str | None = None,
-              split: str = "train", eval_split: str | None = None, task: str = "add", **fields
-              ) -> tuple[list[dict], list[dict]]:
+              split: str = "train", eval_split: str | None = None, task: str = "add", **fields) -> tuple[list, list]:
     """(train, eval): the built-in `task`, or --dataset and --eval-dataset, its --eval-split, or its last rows."""
     if dataset is None:
         train, held_out = builtin_splits(task, eval_size)
@@ -514,15 +500,19 @@ def load_task(args) -> tuple:
                                 args.eval_split, args.task or "add", prompt_field=args.prompt_field,
                                 answer_field=args.answer_field)
     reward_fn = load_reward_fn(args.reward_fn, train[:2]) if args.reward_fn else None
-    env = MultiTurn(load_object(args.env, "--env", "class"), args.env, args.max_turns, args.chat_template) \
-        if args.env else None
     tokenizer = load_tokenizer(args.model)
-    return tokenizer, *fit_prompts(train, held_out, tokenizer, args), args.dataset is None, reward_fn, env
+    train, held_out, limit = fit_prompts(train, held_out, tokenizer, args)
+    env = MultiTurn(load_object(args.env, "--env", "class"), args.env, args.max_turns, args.chat_template, limit) \
+        if args.env else None
+    if env and isinstance(env.env_class, type):  # a function's environments: checked as it makes them
+        env_output(env, "class", lambda: env.env_class)
+    random.seed(seed := args.seed + int(os.environ.get("RANK", 0))), np.random.seed(seed % 2**32)  # an env's, per rank
+    return tokenizer, train, held_out, args.dataset is None, reward_fn, env
 
 
-def fit_prompts(train: list[dict], held_out: list[dict], tokenizer, args) -> tuple[list[dict], list[dict]]:
+def fit_prompts(train: list[dict], held_out: list[dict], tokenizer, args) -> tuple[list[dict], list[dict], tuple]:
     """The examples whose formatted prompt is not empty, has at most --max-prompt-length tokens and leaves room for
-    --max-new-tokens in the model's positions (else a crash, or untrained positions); the others dropped, counted."""
+    --max-new-tokens in the model's positions (else a crash, or untrained positions), and that limit (tokens, why)."""
     positions = model_positions(args.model)
     limit = min(args.max_prompt_length or math.inf, positions - args.max_new_tokens if positions else math.inf)
     if limit < 1:
@@ -545,7 +535,7 @@ def fit_prompts(train: list[dict], held_out: list[dict], tokenizer, args) -> tup
         if len(fitted[-1]) < len(examples):
             print0(f"{what}: dropped {len(examples) - len(fitted[-1])} of {len(examples)} prompts that are empty or "
                    f"{why}")
-    return fitted[0], fitted[1]
+    return fitted[0], fitted[1], (limit, why)
 
 
 def format_prompt(tokenizer, prompt: str, chat_template: bool) -> str:
@@ -570,8 +560,6 @@ def _epoch_order(num_examples: int, seed: int) -> list[int]:
 
 
 # 5. Rewards and evaluation --------------------------------------------------------------------------------------
-
-
 def final_answer(text: str) -> str | None:
     """A completion's final answer: its last \\boxed{...}, else the number after its last '####' (else the line); '' for
     an unfinished one (cut off: no answer, never an earlier number); None for neither."""
@@ -719,8 +707,9 @@ def evaluate(model, tokenizer, examples: list[dict], chat_template: bool, exact:
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     start, shard = time.perf_counter(), examples[rank::world_size]
     right = torch.zeros(2, dtype=torch.float64, device=model.device)
+    states = random.getstate(), np.random.get_state()  # an environment's draws: seeded, restored after
     with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []):
-        torch.manual_seed(seed + rank)
+        torch.manual_seed(seed + rank), random.seed(seed + rank), np.random.seed((seed + rank) % 2**32)
         for i in range(0, -(-len(examples) // world_size), batch_size):  # as many batches on every rank (FSDP)
             batch, counted = shard[i : i + batch_size] or examples[:1], bool(shard[i : i + batch_size])
             prompts = [format_prompt(tokenizer, e["prompt"], chat_template) for e in batch]
@@ -729,20 +718,19 @@ def evaluate(model, tokenizer, examples: list[dict], chat_template: bool, exact:
                 correct = score(batch, rollout.texts, 1, exact, env_return=rollout.env_return)[1]["correct"]
                 right[j] += correct.sum().item() * counted
     right = all_reduce(right) / len(examples)
+    random.setstate(states[0]), np.random.set_state(states[1])
     return {"eval/accuracy": right[0].item(), "eval/accuracy_greedy": right[1].item(),
             "perf/eval_s": time.perf_counter() - start}
 
 
 # 6. Generation and log-probs ------------------------------------------------------------------------------------
-
-
 @dataclass
 class Rollout:
     """G completions per prompt, stored contiguously (group j is rows j*G .. j*G+G-1). input_ids, attention_mask:
     (B, P+L) the left-padded prompt, then the response, padded after EOS; response_mask: (B, L) 1 on response tokens,
     EOS included; texts: the B decoded responses; truncated: (B,) True where one hit --max-new-tokens without EOS;
-    sampler_logprobs: (B, L) each token's log-prob in the distribution it was drawn from (0 greedy). An episode
-    (`MultiTurn`): the policy's turns (response_mask 1) and observations (0, log-prob 0); env_return, turns: (B,)."""
+    sampler_logprobs: (B, L) each token's log-prob under its sampler (0 greedy). An episode (`MultiTurn`): the
+    policy's turns (response_mask 1; texts: them alone) and observations (0, log-prob 0); env_return, turns: (B,)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -854,13 +842,14 @@ def stop_ids(model, tokenizer) -> list[int]:
 
 @dataclass
 class MultiTurn:
-    """An environment class (--env, `GUESS`), made from each episode's row: optional `stop` (strings that end a turn:
-    '</calc>') and `reset()` (the first message; None: the prompt), `step(action) -> (observation, reward, done)`."""
+    """An environment (--env, `GUESS`), made by a class or function from each episode's row: `step(action) ->
+    (observation, reward, done)`, optional `stop` (strings that end a turn: '</calc>') and `reset()` (`env_output`)."""
 
     env_class: type
     spec: str  # --env, for messages
     max_turns: int
     chat_template: bool = True
+    prompt_limit: tuple = (math.inf, "")  # fit_prompts' rule (tokens, why), for the first message
 
 
 def run_episodes(model, tokenizer, rows: list[dict], group_size: int, max_new_tokens: int, temperature: float,
@@ -869,14 +858,13 @@ def run_episodes(model, tokenizer, rows: list[dict], group_size: int, max_new_to
     the observation is appended as tokens (sampled ones never decoded and encoded again), until `done`, --max-turns or
     --max-new-tokens. Every rank runs as many turns (a dummy one where its episodes ended): collective forwards."""
     rows = [row for row in rows for _ in range(group_size)]
-    envs = [env_call(env.spec, "__init__", env.env_class, row) for row in rows]
-    messages = [[{"role": "user", "content": env_call(env.spec, "reset", getattr(e, "reset", lambda: None))
-                  or row["prompt"]}] for e, row in zip(envs, rows)]
-    prompts = tokenizer([format_prompt(tokenizer, m[0]["content"], env.chat_template) for m in messages],
-                        add_special_tokens=False).input_ids
-    responses, masks, logprobs = ([[] for _ in rows] for _ in range(3))  # after the prompt; masks: 1 = the policy's
+    envs = [env_output(env, "__init__", env.env_class, row) for row in rows]
+    messages, prompts = map(list, zip(*[env_output(env, "reset", getattr(e, "reset", lambda: None), row=row,
+                                                   tokenizer=tokenizer) for e, row in zip(envs, rows)]))
+    responses, masks, logprobs, said = ([[] for _ in rows] for _ in range(4))  # after the prompt; masks: 1 = policy's
     returns, turns, ended, cut = ([0] * len(rows) for _ in range(4))
-    eos_ids, stop = stop_ids(model, tokenizer), stop_strings(tokenizer, getattr(env.env_class, "stop", []))
+    eos_ids = stop_ids(model, tokenizer)
+    stop = stop_strings(tokenizer, env_output(env, "stop", lambda: [getattr(e, "stop", []) for e in envs]))
     for turn in range(env.max_turns):
         going = [i for i in range(len(rows)) if not ended[i]]
         if not all_reduce(torch.tensor(len(going), device=current_device()), "max"):
@@ -890,38 +878,65 @@ def run_episodes(model, tokenizer, rows: list[dict], group_size: int, max_new_to
             responses[i], masks[i], turns[i] = responses[i] + ids, masks[i] + [1] * len(ids), turn + 1
             logprobs[i] += new_logprobs[k][: len(ids)]
             at_eos = ids[-1] in eos_ids
+            said[i].append(tokenizer.decode(ids[:-1] if at_eos else ids, skip_special_tokens=True))  # the action
             ended[i] = cut[i] = not (at_eos or at_stop)  # cut by --max-new-tokens within the turn: no action
             if ended[i]:
                 continue
-            action = tokenizer.decode(ids[:-1] if at_eos else ids, skip_special_tokens=True)
-            result = env_call(env.spec, "step", envs[i].step, action)
-            if not (isinstance(result, tuple) and len(result) == 3 and isinstance(result[1], numbers.Real)
-                    and math.isfinite(result[1]) and (result[2] or isinstance(result[0], (str, dict)))):
-                raise UsageError(f"--env {env.spec}: step must return (observation: text or a message dict, reward: a "
-                                 f"finite number, done), got {repr(result)[:200]}.")
-            observation, reward, done = result
-            returns[i] += float(reward)
+            observation, reward, done = env_output(env, "step", envs[i].step, said[i][-1])
+            returns[i] += reward
             last = turn == env.max_turns - 1
             ended[i], cut[i] = done or last, not done and last  # not ended by the environment: cut by --max-turns
             if ended[i]:
                 continue
-            messages[i] += [{"role": "assistant", "content": action},
-                            observation if isinstance(observation, dict) else {"role": "user", "content": observation}]
-            obs = observation_ids(tokenizer, messages[i], ids[-1] if at_eos else None, env.chat_template)
+            messages[i] += [{"role": "assistant", "content": said[i][-1]}, observation]
+            obs = message_ids(tokenizer, messages[i], len(messages[i]) - 1, ids[-1] if at_eos else None,
+                              env.chat_template)
             ended[i] = cut[i] = len(responses[i]) + len(obs) >= max_new_tokens  # no room left for a turn
             if not ended[i]:
                 responses[i], masks[i], logprobs[i] = responses[i] + obs, masks[i] + [0] * len(obs), \
                     logprobs[i] + [0.0] * len(obs)
-    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-    return pack(tokenizer, prompts, responses, masks, logprobs, texts, cut, env_return=returns, turns=turns)
+    return pack(tokenizer, prompts, responses, masks, logprobs, ["\n".join(s) for s in said], cut,
+                env_return=returns, turns=turns)
 
 
-def env_call(spec: str, what: str, fn, *args):
-    """fn(*args), a call into the user's environment: an exception there stops the run with one line."""
+def env_output(env: MultiTurn, what: str, fn, *args, row: dict | None = None, tokenizer=None):
+    """fn(*args), a call into the environment, and what it gave checked here and nowhere else, as run_episodes takes
+    it: `what` is 'class', '__init__', 'stop', 'reset' or 'step'. An exception or a wrong value stops with one line."""
+    def message(m) -> bool:
+        return isinstance(m, dict) and all(isinstance(m.get(key), str) for key in ("role", "content"))
+
     try:
-        return fn(*args)
+        value = fn(*args)
     except Exception as e:
-        raise UsageError(f"--env {spec}: {what} raised {type(e).__name__}: {e}") from None
+        raise UsageError(f"--env {env.spec}: {what} raised {type(e).__name__}: {e}") from None
+    shown, a_message = repr(value), "a message {'role': text, 'content': text}"
+    if what in ("class", "__init__"):  # what makes, or is, an environment
+        must, valid = "have a step(action) method", callable(getattr(value, "step", None))
+    elif what == "stop":  # the episodes' stop strings: one list, as a batch's turns end at any of them
+        stops = [[s] if isinstance(s, str) else list(s) if isinstance(s, (list, tuple)) else s for s in value]
+        value, shown = stops[0], " and ".join(dict.fromkeys(map(repr, stops)))
+        must = "be a non-empty string (one stop string) or a list of them, the same in every episode"
+        valid = stops == [value] * len(stops) and isinstance(value, list) and all(isinstance(x, str) for x in value)
+        valid = valid and "" not in value
+    elif what == "reset":  # (the first messages, their tokens), in fit_prompts' limit; None: the row's prompt
+        must = f"return the first message: text, not empty, {a_message} or a list of them (None: the row's prompt)"
+        value = row["prompt"] if value is None else value
+        value = [{"role": "user", "content": value}] if isinstance(value, str) else [value] if message(value) else value
+        valid = isinstance(value, list) and value != [] and all(map(message, value)) and value[0]["content"] != ""
+        if valid and len(ids := message_ids(tokenizer, value, 0, None, env.chat_template)) > env.prompt_limit[0]:
+            raise UsageError(f"--env {env.spec}: reset: the first message of row {row['prompt'][:40]!r}'s episodes is "
+                             f"{len(ids)} tokens, {env.prompt_limit[1]}. Return a shorter one.")
+        value = valid and (list(value), ids)
+    else:  # step: the observation is read only where the episode goes on
+        must = f"return (observation: text or {a_message}, reward: a finite number, done: a bool)"
+        valid = isinstance(value, tuple) and len(value) == 3 and isinstance(value[1], numbers.Real) and \
+            math.isfinite(value[1]) and type(value[2]).__name__ in ("bool", "bool_") and \
+            (bool(value[2]) or isinstance(value[0], str) or message(value[0]))
+        value = valid and ({"role": "user", "content": value[0]} if isinstance(value[0], str) else value[0],
+                           float(value[1]), bool(value[2]))
+    if not valid:
+        raise UsageError(f"--env {env.spec}: {what}: must {must}, got {shown[:200]}.")
+    return value
 
 
 def stop_strings(tokenizer, stop: list[str]) -> list[str]:
@@ -942,25 +957,28 @@ def cut_at_stop(tokenizer, ids: list[int], stop: list[str]) -> tuple[list[int], 
     return ids[: n + 1], True
 
 
-def observation_ids(tokenizer, messages: list[dict], eos_id: int | None, chat_template: bool) -> list[int]:
-    """The environment's message's tokens: its text, or the chat template's rendering of all messages and the next
-    header less that of those before, from where the policy's turn closes (after its EOS `eos_id`, or the template's)"""
-    if not (chat_template and tokenizer.chat_template):
-        return tokenizer(messages[-1]["content"], add_special_tokens=False).input_ids
-    before = tokenizer.apply_chat_template(messages[:-1], tokenize=False)
-    after = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    close = tokenizer.decode([eos_id]) if eos_id is not None else tokenizer.eos_token
-    end = before.rfind(close)
-    if end < 0 or not after.startswith(before) or not before[:end].endswith(messages[-2]["content"]):
-        raise UsageError("--chat-template: the tokenizer's chat template renders the turns so far differently once "
-                         "a message is added (e.g. it strips earlier thinking), so an observation cannot be appended "
-                         "to the sampled tokens. Use a template that keeps earlier turns, or --no-chat-template.")
-    return tokenizer(after[end + len(close) * (eos_id is not None):], add_special_tokens=False).input_ids
+def message_ids(tokenizer, messages: list[dict], new: int, eos_id: int | None, chat_template: bool) -> list[int]:
+    """The tokens of messages[new:] (the first ones, or an observation) and the next header: the chat template's text
+    of all less that of those before, from where the policy's turn closes (after its EOS `eos_id`, or the template's;
+    no template: the contents, after BOS). A content is text only: an environment's '<|im_end|>' forges no turn."""
+    marked = messages[:new] + [{**m, "content": f"\0{k}\0"} for k, m in enumerate(messages[new:])]  # index marks
+    text, start = ("" if new else tokenizer.bos_token or "") + "".join(m["content"] for m in marked[new:]), 0
+    if chat_template and tokenizer.chat_template:
+        text = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
+        before = tokenizer.apply_chat_template(messages[:new], tokenize=False) if new else ""
+        close = tokenizer.decode([eos_id]) if eos_id is not None else tokenizer.eos_token
+        start = (end := before.rfind(close)) + len(close) * (eos_id is not None) if new else 0
+        if new and (end < 0 or not text.startswith(before) or not before[:end].endswith(messages[new - 1]["content"])):
+            raise UsageError("--chat-template: the tokenizer's chat template renders the turns so far differently once "
+                             "a message is added (e.g. it strips earlier thinking): no observation can follow the "
+                             "sampled tokens. Use a template that keeps earlier turns, or --no-chat-template.")
+    pieces = re.split("\0([0-9]+)\0", text[start:])  # the template's text, a mark's index, text, ...
+    return [i for k, piece in enumerate(pieces) for i in tokenizer(messages[new + int(piece)]["content"] if k % 2
+            else piece, add_special_tokens=False, split_special_tokens=k % 2 == 1).input_ids]
 
 
-def pack(tokenizer, prompts: list[list[int]], responses: list[list[int]], masks: list[list[int]],
-         logprobs: list[list[float]], texts: list[str], truncated: list[bool], device: torch.device | None = None,
-         **episodes) -> Rollout:
+def pack(tokenizer, prompts: list[list[int]], responses: list[list[int]], masks: list[list[int]], logprobs:
+         list[list[float]], texts: list[str], truncated: list[bool], device: torch.device | None = None, **episodes):
     """A Rollout of token lists, prompts left- and responses right-padded, on `device`; `episodes`: env_return, turns"""
     P, L, device = max(map(len, prompts)), max(map(len, responses)), device or current_device()
     input_ids = torch.full((len(prompts), P + L), tokenizer.pad_token_id)
@@ -1031,9 +1049,8 @@ def response_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch
                       use_cache=True, output_hidden_states=True, **forward_kwargs)
         if plain_cache(cache := getattr(first, CACHE), P):
             cache.batch_select_indices(row_prompt)  # each row's prompt keys and values; gradients add up over rows
-            rest = model(input_ids=input_ids[:, P:], attention_mask=attention_mask,
-                         position_ids=position_ids(attention_mask)[:, P:], **{CACHE: cache}, use_cache=True,
-                         output_hidden_states=True, **forward_kwargs)
+            rest = model(input_ids=input_ids[:, P:], attention_mask=attention_mask, use_cache=True, **{CACHE: cache},
+                         position_ids=position_ids(attention_mask)[:, P:], output_hidden_states=True, **forward_kwargs)
             return F.pad(torch.cat([first.hidden_states[-1][row_prompt, -1:], rest.hidden_states[-1][:, :-1]], 1), cut)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                 use_cache=False, output_hidden_states=True, **forward_kwargs)
@@ -1174,15 +1191,13 @@ def reweighted(logprobs: torch.Tensor, weights: torch.Tensor | None) -> torch.Te
 
 
 # 7. Metrics and logging -----------------------------------------------------------------------------------------
-
-
 def step_metrics(rewards: torch.Tensor, components: dict[str, torch.Tensor], rollout: Rollout,
                  times: dict[str, float], step_start: float) -> dict[str, float | torch.Tensor]:
     """What a step sampled over every rank (rewards, lengths of right and wrong completions, the share that write 'wait'
     and how often those are right: NaN when none) and cost (seconds; tokens/s: this rank's times the ranks)."""
     lengths, step_s, world_size = rollout.response_mask.sum(-1).double(), time.perf_counter() - step_start, \
         dist.get_world_size() if dist.is_initialized() else 1
-    right, r = (x.to(lengths.device).double() for x in (components["correct"], rewards))
+    right, r = (x.to(lengths.device).double() for x in (components["correct"] > 0, rewards))  # any return's scale
     wait = torch.tensor([re.search(r"\bwait\b", t, re.IGNORECASE) is not None for t in rollout.texts],
                         dtype=torch.float64, device=lengths.device)
     sums = all_reduce(torch.stack([lengths @ right, right.sum(), lengths @ (1 - right), (1 - right).sum(),
@@ -1195,8 +1210,7 @@ def step_metrics(rewards: torch.Tensor, components: dict[str, torch.Tensor], rol
             "response/length_correct": sums[0] / sums[1], "response/length_wrong": sums[2] / sums[3],
             "task/self_correction_frac": sums[4] / sums[6], "task/self_correction_accuracy": sums[5] / sums[4],
             "perf/step_s": step_s, **{f"perf/{name}_s": seconds for name, seconds in times.items()},
-            "perf/tokens_per_s": lengths.sum() * world_size / step_s,
-            "perf/peak_mem_gb": peak_memory_gb(rollout.response_mask.device),
+            "perf/tokens_per_s": lengths.sum() * world_size / step_s, "perf/peak_mem_gb": peak_memory_gb(r.device),
             **({} if rollout.turns is None else {"env/turns": (rollout.turns.sum(), len(lengths)),
                 "env/observation_tokens": (rollout.attention_mask[:, rollout.prompt_length:].sum() - lengths.sum(),
                                            len(lengths))})}
@@ -1226,7 +1240,7 @@ class Logger:
 
     def __init__(self, run_dir: Path, config: dict, rank: int, track: bool = False, num_steps: int | None = None):
         self.enabled, self.num_steps, self.start, self.first_step = rank == 0, num_steps, time.perf_counter(), None
-        self.wandb = self.tensorboard = None
+        self.wandb, self.tensorboard, self.closing = None, None, contextlib.ExitStack()  # closing: what close() ends
         if not self.enabled:
             return
         if track:
@@ -1235,11 +1249,12 @@ class Logger:
             except ImportError:
                 raise UsageError("--track needs wandb: pip install wandb") from None
             self.wandb = wandb.init(name=run_dir.name, config=config)
+            self.closing.callback(self.wandb.finish)
         (run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        self.file = open(run_dir / "metrics.jsonl", "a")  # a resumed run appends (claim_run_dir cut it back)
+        self.file = self.closing.enter_context(open(run_dir / "metrics.jsonl", "a"))  # claim_run_dir cut it back
         with contextlib.suppress(ImportError):
             from torch.utils.tensorboard import SummaryWriter
-            self.tensorboard = SummaryWriter(str(run_dir))
+            self.tensorboard = self.closing.enter_context(SummaryWriter(str(run_dir)))
 
     def log(self, step: int, metrics: dict[str, float | torch.Tensor]) -> None:
         metrics = all_reduce_mean(metrics)
@@ -1260,18 +1275,13 @@ class Logger:
             self.wandb.log(metrics, step=step)
 
     def close(self) -> None:
-        if self.enabled:
-            self.file.close()
-            if self.tensorboard:
-                self.tensorboard.close()
-            if self.wandb:
-                self.wandb.finish()
+        self.closing.close()
 
 
 # 8. Run folder --------------------------------------------------------------------------------------------------
-
 CHECKPOINT_INFO = "checkpoint.json"  # in every checkpoint folder: the file, step, ranks and flags that wrote it
 TRAINING_STATE = "training_state"  # the resumable state: torch.distributed.checkpoint's safetensors shards
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP's, at each save on one process
 RUN_LOCK = ".run.lock"  # in every run folder; locked (flock) by the process that writes into the folder
 NOT_COMPARED = ("resume", "run_name", "output_dir")  # flags that differ between a run and its resumption
 _held_locks = {}  # run folder -> its open lock file, held by this process until it ends
@@ -1372,9 +1382,8 @@ def _find_run_dir(run_info: dict) -> tuple[Path, Path | None]:
     elif resume:
         checkpoint = Path(resume)
         if not _read_info(checkpoint).get("resumable"):
-            raise UsageError(f"--resume {resume}: not a resumable checkpoint (no {CHECKPOINT_INFO} of a step "
-                             "checkpoint). Pass a <run>/step_N folder written by --save-every, or 'latest' with "
-                             "--run-name.")
+            raise UsageError(f"--resume {resume}: not a resumable checkpoint (no {CHECKPOINT_INFO} of a step one). "
+                             "Pass a <run>/step_N folder written by --save-every, or 'latest' with --run-name.")
         if run_name is None and (checkpoint.parent / RUN_LOCK).exists() and _newest(checkpoint.parent, checkpoint):
             run_dir = checkpoint.parent  # a run folder's newest checkpoint: that run goes on
     if checkpoint is not None:
@@ -1432,8 +1441,7 @@ def _check_same_run(checkpoint: Path, run_info: dict) -> None:
     if saved["world_size"] != config["world_size"]:
         raise UsageError(f"--resume {checkpoint}: written by {saved['world_size']} rank(s), resumed on "
                          f"{config['world_size']}. Resume with --nproc_per_node={saved['world_size']} (each rank's "
-                         f"sampling stream and algorithm state are its own), or start a new run from its weights "
-                         f"with --model {checkpoint}.")
+                         f"sampling and algorithm state are its own), or start anew with --model {checkpoint}.")
     if saved["step"] > config["num_steps"]:  # at --num-steps, what is left runs: the final evaluation and final/
         raise UsageError(f"--num-steps {config['num_steps']}: the checkpoint {checkpoint} is at step {saved['step']}. "
                          f"Pass --num-steps {saved['step']} or more to go on from it.")
@@ -1444,8 +1452,6 @@ def _check_same_run(checkpoint: Path, run_info: dict) -> None:
 
 
 # 9. Checkpoints -------------------------------------------------------------------------------------------------
-
-
 def save_checkpoint(path: Path, modules: dict[str, torch.nn.Module], tokenizer, rank: int, run_info: dict,
                     optimizer=None, step: int = 0, extra: dict | None = None, keep: int = 0) -> None:
     """Write a checkpoint folder (on every rank): the policy and tokenizer by `save_pretrained` (FSDP: gathered; LoRA:
@@ -1476,8 +1482,7 @@ def save_checkpoint(path: Path, modules: dict[str, torch.nn.Module], tokenizer, 
                     "world_size": dist.get_world_size() if distributed else 1, "config": run_info["config"]}
             (tmp / CHECKPOINT_INFO).write_text(json.dumps(info, indent=2, default=str))
             for file in [*tmp.rglob("*"), tmp]:  # on disk before the rename that publishes it
-                fd = os.open(file, os.O_RDONLY)
-                os.fsync(fd)
+                os.fsync(fd := os.open(file, os.O_RDONLY))
                 os.close(fd)
         del weights
         if distributed:
@@ -1505,19 +1510,16 @@ def save_checkpoint(path: Path, modules: dict[str, torch.nn.Module], tokenizer, 
 
 
 def _save_training_state(tmp: Path, modules: dict[str, torch.nn.Module], optimizer, rank: int, extra: dict | None):
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        state = _training_state(modules, optimizer)
-        # A weight and its optimizer state in a file of their own: safetensors builds a whole file in memory
-        # before writing it, so a save needs twice the largest weight's state, not the rank's.
-        number = {name: i for i, name in enumerate(dict.fromkeys([*state["model"], *state["optimizer"]]), 1)}
-        files = {f"model.{name}": number[name] for name in state["model"]}
-        files |= {f"optimizer.{name}.{key}": number[name] for name, values in state["optimizer"].items()
-                  for key in values}
-        writer = dcp.HuggingFaceStorageWriter(str(tmp / TRAINING_STATE), files, save_distributed=dist.is_initialized())
-        dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
+    state = _training_state(modules, optimizer)
+    # A weight and its optimizer state in a file of their own: safetensors builds a whole file in memory
+    # before writing it, so a save needs twice the largest weight's state, not the rank's.
+    number = {name: i for i, name in enumerate(dict.fromkeys([*state["model"], *state["optimizer"]]), 1)}
+    files = {f"model.{name}": number[name] for name in state["model"]}
+    files |= {f"optimizer.{name}.{key}": number[name] for name, values in state["optimizer"].items() for key in values}
+    writer = dcp.HuggingFaceStorageWriter(str(tmp / TRAINING_STATE), files, save_distributed=dist.is_initialized())
+    dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
     own = {"rng": torch.get_rng_state(), "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-           "python_rng": random.getstate(), "extra": extra or {}}
+           "python_rng": random.getstate(), "numpy_rng": np.random.get_state(), "extra": extra or {}}
     plain = json.dumps(_flatten(own, tensors := {}, "own"))  # the tensors go into `tensors`, the rest stays
     (tmp / f"rank_{rank}.safetensors").write_bytes(safetensors_bytes(tensors, {"state": plain}))
 
@@ -1551,7 +1553,7 @@ def _flatten(value, tensors: dict, key: str):
         return {"dict": {k: _flatten(v, tensors, f"{key}.{k}") for k, v in value.items()}}
     if isinstance(value, (list, tuple)):
         return [_flatten(v, tensors, f"{key}.{i}") for i, v in enumerate(value)]
-    return value
+    return value.tolist() if isinstance(value, np.ndarray) else value  # NumPy's RNG key: 624 integers
 
 
 def _unflatten(value, tensors: dict):
@@ -1574,18 +1576,15 @@ def load_checkpoint(path: Path | None, modules: dict[str, torch.nn.Module], opti
         return 0, {}
     model, state, device = torch.nn.ModuleDict(modules), _training_state(modules, optimizer), current_device()
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path / TRAINING_STATE)),
-                     no_dist=not dist.is_initialized())
+        dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path / TRAINING_STATE)),
+                 no_dist=not dist.is_initialized())
         options = dcp_state.StateDictOptions(strict=False)  # strict would miss the tied weights, saved once
         dcp_state.set_model_state_dict(model, state["model"], options=options)
         groups = dcp_state.get_optimizer_state_dict(model, optimizer)["param_groups"]  # the flags' learning rate, ...
         dcp_state.set_optimizer_state_dict(model, optimizer, {"state": state["optimizer"], "param_groups": groups})
         with safe_open(path / f"rank_{rank}.safetensors", "pt") as opened:  # the RNG states stay on the CPU
-            own = _unflatten(json.loads(opened.metadata()["state"]), {
-                key: opened.get_tensor(key).to(device if key.startswith("own.extra.") else "cpu")
-                for key in opened.keys()})
+            own = _unflatten(json.loads(opened.metadata()["state"]), {key: opened.get_tensor(key).to(
+                device if key.startswith("own.extra.") else "cpu") for key in opened.keys()})
     except (Exception, dcp.CheckpointException) as error:  # a shape that does not fit, a damaged file, ...
         if isinstance(error, dcp.CheckpointException) and error.failures:  # DCP gathers each rank's failure
             error = next(iter(error.failures.values()))[0]
@@ -1593,7 +1592,8 @@ def load_checkpoint(path: Path | None, modules: dict[str, torch.nn.Module], opti
         raise UsageError(f"--resume {path}: cannot restore it: {text[:400]}") from None
     torch.set_rng_state(own["rng"])
     version, internal, gauss = own["python_rng"]
-    random.setstate((version, tuple(internal), gauss))  # unused by these files, kept for code you add
+    random.setstate((version, tuple(internal), gauss))  # an environment's draws, and code you add
+    np.random.set_state(tuple(own.get("numpy_rng", np.random.get_state())))  # (older checkpoints: as seeded)
     if own["cuda_rng"] is not None:
         torch.cuda.set_rng_state(own["cuda_rng"])
     print0(f"resumed from {path}")

@@ -81,6 +81,9 @@ AT_START_UP = [
     ("an `--env` file that does not exist", ["--env", "{tmp}/nowhere.py:Env"], "nowhere.py:Env': cannot import '"),
     ("an `--env` class its file does not have", ["--env", "{tmp}/user_rewards.py:Game"],
      "user_rewards.py' has no class 'Game'."),
+    ("an `--env` class without a `step` method", ["--env", "{tmp}/user_rewards.py:NoStep"],
+     "user_rewards.py:NoStep: class: must have a step(action) method, got <class '"),
+    ("`--max-turns 0`", ["--task", "guess", "--max-turns", "0"], "--max-turns 0: must be >= 1 (1: single-turn)"),
     ("`--max-turns 3` without an environment", ["--max-turns", "3"],
      "--max-turns 3: turns after the first answer an environment's observation. Pass --env file.py:Class"),
     ("`--reward-model` with an environment (ppo.py)", ["ppo.py", "--task", "guess", "--reward-model", "{tmp}"],
@@ -101,8 +104,9 @@ LATER = {
                   "the space free)", "error: cannot write "),
     "exit": ("a `--reward-fn` that calls `sys.exit(0)`",
              "called sys.exit(0). A reward function must return its values"),
-    "env": ("an `--env` whose `__init__`, `reset` or `step` raises, or whose `step` returns something else than "
-            "`(observation, number, done)` (tests/test_multiturn.py)", "--env "),
+    "env": ("an `--env` whose `__init__`, `reset` or `step` raises, or that gives a value of the wrong kind (`stop`, "
+            "`reset()`'s first message or its length, `step()`'s observation, reward or `done`): "
+            "tests/test_multiturn.py, the rules in docs/environments.md", "--env "),
 }
 
 # Inputs that are handled rather than refused: (input, what happens), each with its test below.
@@ -146,6 +150,12 @@ def as_dict(prompts, completions, answers):
 def emptied(prompts, completions, answers):
     completions.clear()
     return []
+
+class NoStep:
+    def __init__(self, row):
+        pass
+    def act(self, action):
+        return None, 1.0, True
 """
 
 

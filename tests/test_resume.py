@@ -25,10 +25,11 @@ from conftest import ALGORITHMS, ROOT, default_sigint, read_metrics, run
 pytestmark = pytest.mark.slow  # kill-and-resume runs in subprocesses: `-m 'not slow'` skips them
 
 # Each file's own resumable state is exercised: DAPO's draw counter, GVPO's replayed groups (with their
-# rollout-correction weights; episodes of --task guess, so their masks with holes, returns and turns too; its beta
-# adapted by --target-kl, doubled at every step by so small a target),
-# PPO's critic and adaptive beta.
-EXTRA = {"gvpo": ["--reuse-steps", "1", "--rollout-correction", "tis", "--task", "guess", "--target-kl", "1e-6"],
+# rollout-correction weights; episodes of --task guess, so their masks with holes, returns and turns too, in a game
+# whose rewards draw from `random` and NumPy: their seeds and states; its beta adapted by --target-kl, doubled at
+# every step by so small a target), PPO's critic and adaptive beta.
+EXTRA = {"gvpo": ["--reuse-steps", "1", "--rollout-correction", "tis", "--task", "guess", "--target-kl", "1e-6",
+                  "--env", f"{ROOT / 'tests' / 'random_guess.py'}:RandomGuess"],
          "ppo": ["--target-kl", "0.01"]}
 
 # Loaded before the run's own imports (Python imports `sitecustomize` at start-up): the second call of
