@@ -526,6 +526,15 @@ def test_an_environment_that_returns_or_sets_a_wrong_value_stops_the_run_with_on
     assert "\n" not in str(stop.value) and str(stop.value).startswith(f"--env envs.py:Env: {message}")
 
 
+def test_done_and_reward_from_numpy_are_taken(monkeypatch):
+    """An environment built on arrays returns NumPy's bool and floats: np.True_ ends the episode, np.float32 is the
+    reward."""
+    import numpy as np
+
+    rollout = scripted(monkeypatch, env(step=lambda self, action: (None, np.float32(0.5), np.True_)), max_turns=3)
+    assert rollout.turns.tolist() == [1.0, 1.0] and rollout.env_return.tolist() == [0.5, 0.5]
+
+
 def test_a_first_message_from_reset_is_rendered_as_a_message(monkeypatch):
     """reset() may return a message dict or a list of them (a system prompt, then the user's): the template renders
     them, never their Python repr."""
