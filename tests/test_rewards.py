@@ -117,6 +117,20 @@ CASES = [
     ("0.3333333333333333", r"\boxed{0.3333}", False),
     ("0.30000000000000004", r"\boxed{0.3}", False),  # 0.1 + 0.2: not the double nearest 0.3
     ("0.6666666666666666", r"\boxed{\dfrac{2}{3}}", True),
+    # DAPO-Math-17k's prompt asks for a last line 'Answer: $Answer': math-verify reads the expression after the last
+    # 'answer:' (any case, bold or not), lines after it left out; a \boxed{} anywhere comes first (rule 1)
+    ("34", "Let me think.\nAnswer: 34", True),
+    ("34", "Answer: 34\nThat is all, since the total is 12.", True),
+    ("12", "Answer: 34\nCheck: 12", False),
+    ("34", "answer: 34", True),
+    ("42", "**Answer:** 42", True),
+    (r"\frac{3}{4}", r"Answer: $\frac{3}{4}$", True),
+    ("1000000", "Answer: 1,000,000", True),
+    ("3", "Answer: x = 3", True),
+    ("35", "Answer: 34", False),
+    ("34", "Answer: 12\nWait. Answer: 34", True),
+    ("12", "Answer: 12\nWait. Answer: 34", False),
+    ("12", r"Answer: 34, so \boxed{12}", True),
     # exact fractions, also in LaTeX: not math-verify's float tolerance
     ("0.1", r"\boxed{\frac{100001}{1000000}}", False),
     (r"\frac{1}{3}", r"\boxed{0.3333333333333333}", False),
