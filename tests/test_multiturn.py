@@ -596,7 +596,6 @@ def test_control_tokens_written_by_an_environment_are_text(monkeypatch):
 
 
 ENV_FILE = """
-import random
 class Long:  # a first message longer than the tiny model's 128 positions
     def __init__(self, row):
         pass
@@ -635,7 +634,9 @@ def test_seed_seeds_random_and_numpy_per_rank(monkeypatch):
 
     import numpy as np
 
-    args = common.cli(grpo_args(), args=["--seed", "5"])
+    import grpo
+
+    args = common.cli(grpo.Args, args=["--seed", "5"])
     common.check_flags(args)
     for rank in (0, 1):
         monkeypatch.setenv("RANK", str(rank))
@@ -644,8 +645,3 @@ def test_seed_seeds_random_and_numpy_per_rank(monkeypatch):
         assert (random.random(), np.random.rand()) == (random.Random(5 + rank).random(),
                                                        np.random.RandomState(5 + rank).rand())
 
-
-def grpo_args():
-    import grpo
-
-    return grpo.Args
