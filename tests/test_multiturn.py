@@ -644,4 +644,3 @@ def test_seed_seeds_random_and_numpy_per_rank(monkeypatch):
         common.load_task(args)
         assert (random.random(), np.random.rand()) == (random.Random(5 + rank).random(),
                                                        np.random.RandomState(5 + rank).rand())
-
