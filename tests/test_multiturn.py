@@ -171,20 +171,26 @@ def test_an_episode_is_the_prompt_the_sampled_turns_and_the_templates_observatio
     assert (logprobs - rollout.sampler_logprobs)[mask].abs().max() < 1e-4
 
 
-def test_the_sampled_ids_stay_as_sampled_where_a_round_trip_would_change_them(monkeypatch):
-    """On a tokenizer with a token '12', the policy sampled '1' then '2': decoded and encoded again they would be
-    the one token '12', and the loss would train a token nobody sampled. The episode keeps '1', '2'."""
+def char_tokenizer(vocab: dict[str, int], pattern: str = r"[\s\S]"):
+    """A tokenizer of `vocab` (ordinary tokens; `pattern` splits text into them) with the tiny model's control
+    tokens and chat template, built with the `tokenizers` library."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tiny = load_tokenizer(TASKS["add"][0])
-    vocab = {**tiny.get_vocab(), "12": len(tiny)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"12|[\s\S]"), behavior="isolated")
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
     backend.decoder = decoders.Fuse()
     backend.add_special_tokens(["<|pad|>", "<|im_start|>", "<|im_end|>"])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|pad|>", eos_token="<|im_end|>",
-                                        chat_template=tiny.chat_template, padding_side="left")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|pad|>", eos_token="<|im_end|>",
+                                   chat_template=load_tokenizer(TASKS["add"][0]).chat_template, padding_side="left")
+
+
+def test_the_sampled_ids_stay_as_sampled_where_a_round_trip_would_change_them(monkeypatch):
+    """On a tokenizer with a token '12', the policy sampled '1' then '2': decoded and encoded again they would be
+    the one token '12', and the loss would train a token nobody sampled. The episode keeps '1', '2'."""
+    tiny = load_tokenizer(TASKS["add"][0])
+    vocab = {**tiny.get_vocab(), "12": len(tiny)}
+    tokenizer = char_tokenizer(vocab, r"12|[\s\S]")
     one, two, eos = tokenizer.convert_tokens_to_ids(["1", "2", "<|im_end|>"])
     assert tokenizer(tokenizer.decode([one, two])).input_ids == [vocab["12"]]  # the round trip is not the identity
     turns = iter([[one, two, eos], [one, two, eos]])
@@ -427,20 +433,6 @@ def test_grpo_learns_a_strategy_across_turns(tmp_path):
 
 
 # --- An environment's mistakes: one line each, or handled right (docs/environments.md) ------------------------
-
-
-def char_tokenizer(vocab: dict[str, int], pattern: str = r"[\s\S]"):
-    """A tokenizer of `vocab` (ordinary tokens; `pattern` splits text into them) with the tiny model's control
-    tokens and chat template, built with the `tokenizers` library."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    backend.add_special_tokens(["<|pad|>", "<|im_start|>", "<|im_end|>"])
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|pad|>", eos_token="<|im_end|>",
-                                   chat_template=load_tokenizer(TASKS["add"][0]).chat_template, padding_side="left")
 
 
 def scripted(monkeypatch, env_class, said="3+12=15", max_turns=2, rows=None, chat_template=True, tokenizer=None):
