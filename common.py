@@ -1,15 +1,13 @@
 """The plumbing every algorithm file shares, in one file to copy beside it. Nothing here appears in an
 algorithm's equations: advantages, ratios, clipping, KL and loss aggregation live in each algorithm file.
 
-1. Flags: `cli`, `check_flags`, `require`, `UsageError` (bad input: one line naming the flag and the fix)
+1. Flags: `cli`, `check_flags`, `require`, `need`, `UsageError` (bad input: one line naming the flag and the fix)
 2. Distributed: `setup_distributed`, `cleanup_distributed`, `print0`, `all_reduce`, `no_sync`
-3. Models: `load_tokenizer`, `load_model` (any Hugging Face causal LM, dropout off), `add_lora` (peft),
-   `load_reference` (a frozen copy, or the policy with its adapters off), `shard_model` (FSDP2)
-4. Data: `load_task` (built-in tasks, JSONL, `datasets`; prompts that fit), `format_prompt`, `prompt_batch`
+3. Models: `load_tokenizer`, `load_model` (any causal LM, dropout off), `add_lora`, `load_reference`, `shard_model`
+4. Data: `load_task` (built-in tasks, JSONL, `datasets`; text or chat prompts that fit), `format_prompt`, `prompt_batch`
 5. Rewards and evaluation: `score` (correctness, exact or by math-verify; format; a user's function), `evaluate`
-6. Generation and log-probs: `Rollout`, `generate` (`model.generate`, or vllm_engine.py's engine: `load_vllm`),
-   `micro_batches` (by a token budget), `get_logprobs` (on the columns the rows use), `sampler_logprob_gap`,
-   `rollout_weights` and `reweighted` (the rollout correction)
+6. Generation and log-probs: `Rollout`, `generate` (or vllm_engine.py's engine), `run_episodes` (--env), `micro_batches`
+   (by a token budget), `get_logprobs`, `sampler_logprob_gap`, `rollout_weights` and `reweighted` (rollout correction)
 7. Metrics and logging: `Logger` (stdout, metrics.jsonl, TensorBoard, W&B), `add_metrics`, `step_metrics`
 8. Run folder: `prepare_run_dir`, `claim_run_dir`, `resume_hint` (the rules: docs/checkpoints.md)
 9. Checkpoints: `save_checkpoint`, `load_checkpoint` (torch.distributed.checkpoint, safetensors only)
@@ -36,7 +34,6 @@ import shutil
 import sys
 import time
 import warnings
-from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
@@ -74,28 +71,28 @@ class UsageError(ValueError):
     """Bad input (a flag, a file, a dataset row), named with the fix: `__main__` prints one line, exits with 2."""
 
 
-# (flag, valid, what it must be, why): the flags every algorithm file shares, checked by `check_flags`.
+# (flag, valid, what it must be (why)): the flags every algorithm file shares, checked by `check_flags`.
 FLAG_RULES = [
-    ("num_steps", lambda v: v >= 1, ">= 1", "0 would save the untrained model as final/"),
-    ("prompts_per_step", lambda v: v >= 1, ">= 1", ""), ("group_size", lambda v: v >= 1, ">= 1", ""),
-    ("max_new_tokens", lambda v: v >= 1, ">= 1", "each completion has at least its EOS token"),
-    ("max_turns", lambda v: v >= 1, ">= 1", "1: single-turn"),
-    ("seed", lambda v: 0 <= v < 2**63, "in [0, 2**63)", "torch's seeds are 64-bit; each rank adds its rank"),
-    ("temperature", lambda v: v >= 0.01, ">= 0.01", "the log-probs divide the logits by it, and below 0.01 float32 "
-     "loses the precision a ratio needs; eval/accuracy_greedy reports greedy decoding"),
-    ("learning_rate", lambda v: v > 0, "> 0", ""), ("dist_timeout", lambda v: v > 0, "> 0", "minutes"),
-    ("updates_per_rollout", lambda v: v >= 1, ">= 1", ""), ("num_minibatches", lambda v: v >= 1, ">= 1", ""),
-    ("micro_batch_size", lambda v: v is None or v >= 1, ">= 1", "or left out: the whole minibatch"),
-    ("max_tokens_per_micro_batch", lambda v: v is None or v >= 1, ">= 1", "or left out: no limit"),
-    ("max_grad_norm", lambda v: v > 0, "> 0", "inf: no clipping"),
-    ("weight_decay", lambda v: v >= 0, ">= 0", ""), ("eval_every", lambda v: v >= 0, ">= 0", "0: never evaluate"),
-    ("save_every", lambda v: v >= 0, ">= 0", "0: only the final weights"),
-    ("keep_checkpoints", lambda v: v >= 0, ">= 0", "0: keep all"), ("eval_size", lambda v: v >= 0, ">= 0", ""),
-    ("max_prompt_length", lambda v: v is None or v >= 1, ">= 1", "or left out: as long as the model allows"),
-    ("correction_cap", lambda v: v >= 1, ">= 1", "pi_old / pi_sampler is 1 where the two agree"),
-    ("lora_rank", lambda v: v >= 0, ">= 0", "0: full fine-tuning"),
-    ("lora_alpha", lambda v: v > 0, "> 0", "the adapters' scale is alpha / rank"),
-    ("vllm_gpu_memory", lambda v: 0 < v <= 1, "in (0, 1]", "a fraction of the GPU's memory"),
+    ("num_steps", lambda v: v >= 1, ">= 1 (0 would save the untrained model as final/)"),
+    ("prompts_per_step", lambda v: v >= 1, ">= 1"), ("group_size", lambda v: v >= 1, ">= 1"),
+    ("max_new_tokens", lambda v: v >= 1, ">= 1 (each completion has at least its EOS token)"),
+    ("max_turns", lambda v: v >= 1, ">= 1 (1: single-turn)"), ("learning_rate", lambda v: v > 0, "> 0"),
+    ("seed", lambda v: 0 <= v < 2**63, "in [0, 2**63) (torch's seeds are 64-bit; each rank adds its rank)"),
+    ("temperature", lambda v: v >= 0.01, ">= 0.01 (the log-probs divide the logits by it, and below 0.01 float32 "
+     "loses the precision a ratio needs; eval/accuracy_greedy reports greedy decoding)"),
+    ("dist_timeout", lambda v: v > 0, "> 0 (minutes)"), ("weight_decay", lambda v: v >= 0, ">= 0"),
+    ("updates_per_rollout", lambda v: v >= 1, ">= 1"), ("num_minibatches", lambda v: v >= 1, ">= 1"),
+    ("micro_batch_size", lambda v: v is None or v >= 1, ">= 1 (or left out: the whole minibatch)"),
+    ("max_tokens_per_micro_batch", lambda v: v is None or v >= 1, ">= 1 (or left out: no limit)"),
+    ("max_grad_norm", lambda v: v > 0, "> 0 (inf: no clipping)"), ("eval_size", lambda v: v >= 0, ">= 0"),
+    ("eval_every", lambda v: v >= 0, ">= 0 (0: never evaluate)"),
+    ("save_every", lambda v: v >= 0, ">= 0 (0: only the final weights)"),
+    ("keep_checkpoints", lambda v: v >= 0, ">= 0 (0: keep all)"),
+    ("max_prompt_length", lambda v: v is None or v >= 1, ">= 1 (or left out: as long as the model allows)"),
+    ("correction_cap", lambda v: v >= 1, ">= 1 (pi_old / pi_sampler is 1 where the two agree)"),
+    ("lora_rank", lambda v: v >= 0, ">= 0 (0: full fine-tuning)"),
+    ("lora_alpha", lambda v: v > 0, "> 0 (the adapters' scale is alpha / rank)"),
+    ("vllm_gpu_memory", lambda v: 0 < v <= 1, "in (0, 1] (a fraction of the GPU's memory)"),
 ]
 
 
@@ -126,16 +123,11 @@ def check_flags(args) -> None:
     args.max_new_tokens = max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
     args.max_turns = (7 if args.task == "guess" else 1) if args.max_turns is None else args.max_turns
     args.env = args.env or (GUESS if args.task == "guess" else None)  # the game's environment, as an --env
-    for name, valid, must, why in FLAG_RULES:
-        value = getattr(args, name)
-        require(valid(value), f"--{name.replace('_', '-')}", value, must + (f" ({why})" if why else ""))
+    for name, valid, must in FLAG_RULES:
+        require(valid(value := getattr(args, name)), f"--{name.replace('_', '-')}", value, must)
     if args.max_turns > 1 and args.env is None:
         raise UsageError(f"--max-turns {args.max_turns}: turns after the first answer an environment's observation. "
                          "Pass --env file.py:Class (docs/environments.md), or --task guess.")
-    single_turn = [flag for flag in ("reward_model", "demos_per_group") if getattr(args, flag, None)]
-    if args.env and single_turn:
-        raise UsageError(f"--{single_turn[0].replace('_', '-')} is single-turn: an environment scores its episodes, "
-                         "and they have no demonstrations. Leave it out with --env and --task guess.")
     if args.eval_every and args.eval_size == 0 and args.eval_dataset is None and args.eval_split is None:
         raise UsageError(f"--eval-size 0 leaves nothing to evaluate every --eval-every {args.eval_every} steps: pass "
                          "--eval-every 0, a positive --eval-size, or --eval-dataset.")
@@ -164,6 +156,14 @@ def exact_div(numerator: int, denominator: int, message: str) -> int:
     return numerator // denominator
 
 
+def need(package: str, flag: str):
+    """`import package`, optional but for the feature of `flag`: else a stop with the command that installs it."""
+    try:
+        return importlib.import_module(package)
+    except ImportError:
+        raise UsageError(f"{flag} needs {package}: pip install {package}") from None
+
+
 # 2. Distributed -------------------------------------------------------------------------------------------------
 def setup_distributed(timeout_minutes: float = 60) -> tuple[int, int, torch.device]:
     """(rank, world_size, device) from torchrun's environment (`python x.py`: rank 0 of 1); collectives time out."""
@@ -187,8 +187,7 @@ def cleanup_distributed() -> None:
         dist.barrier()
         dist.destroy_process_group()
         if on_cpu:
-            sys.stdout.flush()
-            sys.stderr.flush()
+            sys.stdout.flush(), sys.stderr.flush()
             os._exit(0)  # every file is closed by now (main has returned); the OS frees the rest
 
 
@@ -317,10 +316,7 @@ def add_lora(model, rank: int, alpha: float, targets: str):
     """`model` with LoRA adapters (peft) of `rank` on `targets`, the only weights trained (rank 0: `model` as it is)."""
     if not rank:
         return model
-    try:
-        import peft
-    except ImportError:
-        raise UsageError("--lora-rank needs peft: pip install peft") from None
+    peft = need("peft", "--lora-rank")
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0,
                              target_modules=targets if targets == "all-linear" else targets.split(","))
     try:
@@ -400,31 +396,48 @@ def builtin_splits(task: str = "add", eval_size: int = 500) -> tuple[list[dict],
 
 
 def load_rows(source: str, flag: str = "--dataset", config: str | None = None, split: str | None = "train",
-              prompt_field: str = "prompt", answer_field: str = "answer") -> list[dict]:
+              prompt_field: str = "prompt", answer_field: str = "answer", no_chat: str = "") -> list[dict]:
     """Rows of a JSONL file or of what `datasets` reads (Hub, JSON/Parquet/CSV, folders) at `config` and `split` (None:
-    'test' or its only one), "prompt" and "answer" as text; a missing, null or wholly empty field stops, named."""
+    'test' or its only one), fields by name or dotted path: "answer" as text, "prompt" as text or a list of chat
+    messages (refused with `no_chat`: why no template renders them); a missing, null or wholly empty one stops."""
     records = _jsonl_records(source, flag) if source.endswith(".jsonl") and config is None else \
         _dataset_records(source, flag, config, split)
     rows = []
     for where, record in records:
-        for key, field_flag in ((prompt_field, "--prompt-field"), (answer_field, "--answer-field")):
-            if not isinstance(record, dict):
-                raise UsageError(f"{where}: not an object with the fields {prompt_field!r} and {answer_field!r}.")
-            if key not in record:
-                raise UsageError(f"{where}: missing field {key} (it has {', '.join(record) or 'none'}). Name the "
-                                 f"field with {field_flag}.")
-            if not isinstance(value := record[key], (str, int, float)) or isinstance(value, bool):
+        values = []  # the prompt's, then the answer's
+        for path, field_flag, kinds in ((prompt_field, "--prompt-field", (str, int, float, list)),
+                                        (answer_field, "--answer-field", (str, int, float))):
+            value, keys = record, [path] if isinstance(record, dict) and path in record else path.split(".")
+            for i, key in enumerate(keys):
+                if not isinstance(value, dict) or key not in value:
+                    raise UsageError(f"{where}: missing field {path} ({'.'.join(keys[:i]) or 'the row'} has "
+                                     f"{', '.join(value) if isinstance(value, dict) else 'no fields'}). Name the "
+                                     f"field with {field_flag}.")
+                value = value[key]
+            if not isinstance(value, kinds) or isinstance(value, bool):
                 kind = "null" if value is None else f"a {type(value).__name__}"
-                raise UsageError(f"{where}: field {key} is {kind}; every row needs a {key}, text or a number.")
-        rows.append({**record, "prompt": str(record[prompt_field]), "answer": str(record[answer_field])})  # all: --env
+                raise UsageError(f"{where}: field {path} is {kind}; every row needs a {path}: text or a number"
+                                 f"{' or chat messages' if list in kinds else ''}.")
+            values.append(value)
+        prompt, answer = values
+        if isinstance(prompt, list):  # chat messages (TRL's and verl's prompts), rendered by the chat template
+            bad = next((f"message {i} must be {{'role': text, 'content': text}}, got {m!r:.200}. Fix the row, or name "
+                        "another field with --prompt-field" for i, m in enumerate(prompt, 1) if not is_message(m)),
+                       no_chat and f"chat messages, which need a chat template; {no_chat}, or give them as text")
+            if bad:
+                raise UsageError(f"{where}: field {prompt_field}: {bad}.")
+        rows.append({**record, "prompt": prompt if isinstance(prompt, list) else str(prompt), "answer": str(answer)})
     if not rows:
         raise UsageError(f"{flag} {source!r}: the dataset has no examples.")
-    for what, key, field_flag in (("prompt", prompt_field, "--prompt-field"),
-                                  ("answer", answer_field, "--answer-field")):
-        if not any(row[what].strip() for row in rows):
+    for what, key, option in (("prompt", prompt_field, "--prompt-field"), ("answer", answer_field, "--answer-field")):
+        if not any(str(row[what]).strip() for row in rows):
             raise UsageError(f"{flag} {source!r}: every {key} is empty. Name the field that holds the {what}s with "
-                             f"{field_flag}.")
+                             f"{option}.")
     return rows
+
+
+def is_message(m) -> bool:
+    return isinstance(m, dict) and all(isinstance(m.get(key), str) for key in ("role", "content"))
 
 
 def _jsonl_records(source: str, flag: str):
@@ -447,12 +460,7 @@ def _jsonl_records(source: str, flag: str):
 
 def _dataset_records(source: str, flag: str, config: str | None, split: str | None):
     """('<source> [split] row i', row) for each row of what `datasets` reads from `source`."""
-    try:
-        import datasets
-    except ImportError:
-        raise UsageError(f"{flag} {source!r}: reading a Hugging Face dataset or a file other than JSONL needs "
-                         "the datasets package: pip install datasets") from None
-    path = Path(source).expanduser()
+    datasets, path = need("datasets", f"{flag} {source!r} (not JSONL)"), Path(source).expanduser()
     try:
         if (path / "dataset_dict.json").exists() or (path / "dataset_info.json").exists():
             data = datasets.load_from_disk(str(path))  # written by save_to_disk
@@ -496,11 +504,21 @@ def load_data(dataset: str | None, eval_dataset: str | None, eval_size: int, dat
 def load_task(args) -> tuple:
     """(tokenizer, train, held_out, exact, reward_fn, env) before any model loads: the examples that fit the model
     (`fit_prompts`); `exact`: answers compared as text (built-in tasks); --reward-fn, tried; --env (`MultiTurn`)."""
+    tokenizer, system = load_tokenizer(args.model), {"role": "system", "content": args.system_prompt}
+    no_chat = "--no-chat-template turns it off. Leave --no-chat-template out" if not args.chat_template else "" if \
+        tokenizer.chat_template else f"--model {args.model} has none. Pass a --model that has one"
+    if args.system_prompt is not None and no_chat:
+        raise UsageError(f"--system-prompt {args.system_prompt!r}: a system message needs the chat template; "
+                         f"{no_chat}, or leave --system-prompt out.")
     train, held_out = load_data(args.dataset, args.eval_dataset, args.eval_size, args.dataset_config, args.split,
                                 args.eval_split, args.task or "add", prompt_field=args.prompt_field,
-                                answer_field=args.answer_field)
-    reward_fn = load_reward_fn(args.reward_fn, train[:2]) if args.reward_fn else None
-    tokenizer = load_tokenizer(args.model)
+                                answer_field=args.answer_field, no_chat=no_chat)
+    for row in train + held_out if args.system_prompt is not None else ():  # before each prompt that has none
+        messages = [{"role": "user", "content": row["prompt"]}] if isinstance(row["prompt"], str) else row["prompt"]
+        row["prompt"] = messages if messages[0]["role"] == "system" else [system, *messages]
+    reward_fn = load_object(args.reward_fn, "--reward-fn", "function") if args.reward_fn else None
+    if reward_fn:  # fn(prompts, completions, answers) -> a float each: tried now, two rows' answers as completions
+        call_reward_fn(reward_fn, args.reward_fn, *([e[k] for e in train[:2]] for k in ("prompt", "answer", "answer")))
     train, held_out, limit = fit_prompts(train, held_out, tokenizer, args)
     env = MultiTurn(load_object(args.env, "--env", "class"), args.env, args.max_turns, args.chat_template, limit) \
         if args.env else None
@@ -538,11 +556,11 @@ def fit_prompts(train: list[dict], held_out: list[dict], tokenizer, args) -> tup
     return fitted[0], fitted[1], (limit, why)
 
 
-def format_prompt(tokenizer, prompt: str, chat_template: bool) -> str:
-    """The text the model continues: the chat template's user turn and assistant header, or the prompt after BOS."""
+def format_prompt(tokenizer, prompt: str | list[dict], chat_template: bool) -> str:
+    """The text a model continues: its chat template's rendering (text: a user message), else the text after BOS."""
     if chat_template and tokenizer.chat_template:
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                             tokenize=False)
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}] if isinstance(prompt, str) else
+                                             prompt, add_generation_prompt=True, tokenize=False)
     return (tokenizer.bos_token or "") + prompt
 
 
@@ -632,15 +650,6 @@ def format_reward(completions: list[str], exact: bool) -> torch.Tensor:
                          "\\boxed{" in c or "####" in c for c in completions], dtype=torch.float32)
 
 
-def load_reward_fn(spec: str, examples: list[dict] = ()):
-    """--reward-fn's function (`load_object`): fn(prompts, completions, answers) -> a float each, tried on `examples`"""
-    fn = load_object(spec, "--reward-fn", "function")
-    if examples:
-        answers = [e["answer"] for e in examples]
-        call_reward_fn(fn, spec, [e["prompt"] for e in examples], answers, answers)
-    return fn
-
-
 def load_object(spec: str, flag: str, kind: str):
     """What `spec` names: `module:name`, imported from the working directory, or `path/to/file.py:name`."""
     module_name, _, fn_name = spec.rpartition(":")
@@ -724,7 +733,7 @@ def evaluate(model, tokenizer, examples: list[dict], chat_template: bool, exact:
 
 
 # 6. Generation and log-probs ------------------------------------------------------------------------------------
-@dataclass
+@dataclasses.dataclass
 class Rollout:
     """G completions per prompt, stored contiguously (group j is rows j*G .. j*G+G-1). input_ids, attention_mask:
     (B, P+L) the left-padded prompt, then the response, padded after EOS; response_mask: (B, L) 1 on response tokens,
@@ -840,7 +849,7 @@ def stop_ids(model, tokenizer) -> list[int]:
     return sorted(set([eos_ids] if isinstance(eos_ids, int) else eos_ids or []) | {tokenizer.eos_token_id} - {None})
 
 
-@dataclass
+@dataclasses.dataclass
 class MultiTurn:
     """An environment (--env, `GUESS`), made by a class or function from each episode's row: `step(action) ->
     (observation, reward, done)`, optional `stop` (strings that end a turn: '</calc>') and `reset()` (`env_output`)."""
@@ -902,9 +911,6 @@ def run_episodes(model, tokenizer, rows: list[dict], group_size: int, max_new_to
 def env_output(env: MultiTurn, what: str, fn, *args, row: dict | None = None, tokenizer=None):
     """fn(*args), a call into the environment, and what it gave checked here and nowhere else, as run_episodes takes
     it: `what` is 'class', '__init__', 'stop', 'reset' or 'step'. An exception or a wrong value stops with one line."""
-    def message(m) -> bool:
-        return isinstance(m, dict) and all(isinstance(m.get(key), str) for key in ("role", "content"))
-
     try:
         value = fn(*args)
     except Exception as e:
@@ -920,9 +926,9 @@ def env_output(env: MultiTurn, what: str, fn, *args, row: dict | None = None, to
         valid = valid and "" not in value
     elif what == "reset":  # (the first messages, their tokens), in fit_prompts' limit; None: the row's prompt
         must = f"return the first message: text, not empty, {a_message} or a list of them (None: the row's prompt)"
-        value = row["prompt"] if value is None else value
-        value = [{"role": "user", "content": value}] if isinstance(value, str) else [value] if message(value) else value
-        valid = isinstance(value, list) and value != [] and all(map(message, value)) and value[0]["content"] != ""
+        value = [value] if is_message(value) else row["prompt"] if value is None else value  # a message, or a list
+        value = [{"role": "user", "content": value}] if isinstance(value, str) else value  # text: one user message
+        valid = isinstance(value, list) and value != [] and all(map(is_message, value)) and value[0]["content"] != ""
         if valid and len(ids := message_ids(tokenizer, value, 0, None, env.chat_template)) > env.prompt_limit[0]:
             raise UsageError(f"--env {env.spec}: reset: the first message of row {row['prompt'][:40]!r}'s episodes is "
                              f"{len(ids)} tokens, {env.prompt_limit[1]}. Return a shorter one.")
@@ -931,7 +937,7 @@ def env_output(env: MultiTurn, what: str, fn, *args, row: dict | None = None, to
         must = f"return (observation: text or {a_message}, reward: a finite number, done: a bool)"
         valid = isinstance(value, tuple) and len(value) == 3 and isinstance(value[1], numbers.Real) and \
             math.isfinite(value[1]) and type(value[2]).__name__ in ("bool", "bool_") and \
-            (bool(value[2]) or isinstance(value[0], str) or message(value[0]))
+            (bool(value[2]) or isinstance(value[0], str) or is_message(value[0]))
         value = valid and ({"role": "user", "content": value[0]} if isinstance(value[0], str) else value[0],
                            float(value[1]), bool(value[2]))
     if not valid:
@@ -1244,11 +1250,7 @@ class Logger:
         if not self.enabled:
             return
         if track:
-            try:
-                import wandb
-            except ImportError:
-                raise UsageError("--track needs wandb: pip install wandb") from None
-            self.wandb = wandb.init(name=run_dir.name, config=config)
+            self.wandb = need("wandb", "--track").init(name=run_dir.name, config=config)
             self.closing.callback(self.wandb.finish)
         (run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
         self.file = self.closing.enter_context(open(run_dir / "metrics.jsonl", "a"))  # claim_run_dir cut it back
@@ -1561,12 +1563,9 @@ def _unflatten(value, tensors: dict):
         return [_unflatten(v, tensors) for v in value]
     if not isinstance(value, dict):
         return value
-    (kind, inner), = value.items()
-    if kind == "tensor":
-        return tensors[inner]
-    if kind == "rollout":
-        return Rollout(**_unflatten(inner, tensors))
-    return {k: _unflatten(v, tensors) for k, v in inner.items()}
+    (kind, inner), = value.items()  # {"tensor": key}, {"rollout": fields} or {"dict": items}
+    return tensors[inner] if kind == "tensor" else Rollout(**_unflatten(inner, tensors)) if kind == "rollout" else \
+        {k: _unflatten(v, tensors) for k, v in inner.items()}
 
 
 def load_checkpoint(path: Path | None, modules: dict[str, torch.nn.Module], optimizer, rank: int) -> tuple[int, dict]:

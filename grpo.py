@@ -121,11 +121,16 @@ class ModelAndDataFlags:
     eval_size: int = 500
     """held-out prompts taken from the built-in task or --dataset when there is no --eval-dataset or --eval-split"""
     prompt_field: str = "prompt"
-    """the rows' prompt field (e.g. 'question' for openai/gsm8k, 'problem' for MATH)"""
+    """the rows' prompt field (e.g. 'question' for openai/gsm8k, 'problem' for MATH), or a dotted path to a nested
+    one; its value text, or a list of chat messages (TRL's conversational prompts, verl's parquet)"""
     answer_field: str = "answer"
-    """the rows' gold-answer field; a final \\boxed{} or GSM8K's '#### 72' in it is found"""
+    """the rows' gold-answer field, or a dotted path ('reward_model.ground_truth' in verl's parquet); a final
+    \\boxed{} or GSM8K's '#### 72' in it is found"""
     chat_template: bool = True
-    """wrap prompts in the tokenizer's chat template, when it has one"""
+    """wrap prompts in the tokenizer's chat template, when it has one (a list of messages needs it)"""
+    system_prompt: Optional[str] = None
+    """a system message put before every prompt that has none, in training and evaluation (needs the chat
+    template); left out: none, or the template's own default (Qwen2.5's, SmolLM2's)"""
     format_weight: float = 0.0
     """weight of the format reward (answer as a bare number / in \\boxed{}) added to correctness"""
     reward_fn: Optional[str] = None

@@ -132,11 +132,16 @@ class ModelAndDataFlags:
     eval_size: int = 500
     """held-out prompts taken from the built-in task or --dataset when there is no --eval-dataset or --eval-split"""
     prompt_field: str = "prompt"
-    """the rows' prompt field (e.g. 'question' for openai/gsm8k, 'problem' for MATH)"""
+    """the rows' prompt field (e.g. 'question' for openai/gsm8k, 'problem' for MATH), or a dotted path to a nested
+    one; its value text, or a list of chat messages (TRL's conversational prompts, verl's parquet)"""
     answer_field: str = "answer"
-    """the rows' gold-answer field; a final \\boxed{} or GSM8K's '#### 72' in it is found"""
+    """the rows' gold-answer field, or a dotted path ('reward_model.ground_truth' in verl's parquet); a final
+    \\boxed{} or GSM8K's '#### 72' in it is found"""
     chat_template: bool = True
-    """wrap prompts in the tokenizer's chat template, when it has one"""
+    """wrap prompts in the tokenizer's chat template, when it has one (a list of messages needs it)"""
+    system_prompt: Optional[str] = None
+    """a system message put before every prompt that has none, in training and evaluation (needs the chat
+    template); left out: none, or the template's own default (Qwen2.5's, SmolLM2's)"""
     format_weight: float = 0.0
     """weight of the format reward (answer as a bare number / in \\boxed{}) added to correctness"""
     reward_fn: Optional[str] = None
@@ -456,6 +461,8 @@ def main(args: Args) -> None:
     require(args.vf_coef >= 0, "--vf-coef", args.vf_coef, ">= 0")
     require(args.critic_learning_rate is None or args.critic_learning_rate > 0, "--critic-learning-rate",
             args.critic_learning_rate, "> 0 (or left out: --learning-rate)")
+    require(not (args.reward_model and args.env), "--reward-model", args.reward_model, "left out with --env and "
+            "--task guess (single-turn: an environment scores its episodes)")
     # ---
     rank, args.world_size, device = setup_distributed(args.dist_timeout)
     run_info = {"algorithm": Path(__file__).name, "config": asdict(args)}  # recorded in every checkpoint
@@ -473,6 +480,9 @@ def main(args: Args) -> None:
     reward_model = rm_tokenizer = None
     if args.reward_model:
         reward_model, rm_tokenizer = load_reward_model(args.reward_model, args.dtype, device)
+        if not rm_tokenizer.chat_template and any(isinstance(e["prompt"], list) for e in train_set + eval_set):
+            raise UsageError(f"--reward-model {args.reward_model!r}: its tokenizer has no chat template for the "
+                             "prompts' chat messages. Pass a reward model that has one, or give the prompts as text.")
     # The critic reads the policy's token ids, so its backbone must share the policy's tokenizer.
     critic_path = args.critic_model or args.reward_model or args.model
     flag = "--critic-model" if args.critic_model else "--reward-model" if args.reward_model else "--model"

@@ -69,6 +69,20 @@ AT_START_UP = [
     ("every prompt (or every answer) empty: a field that names the wrong column",
      ["--dataset", "{tmp}/empty_prompts.jsonl", "--eval-size", "4"],
      "empty_prompts.jsonl': every prompt is empty. Name the field that holds the prompts with --prompt-field"),
+    ("a chat message without `role` or `content`", ["--dataset", "{tmp}/chat.jsonl", "--prompt-field", "no_role"],
+     "chat.jsonl:1: field no_role: message 1 must be {'role': text, 'content': text}, got {'content': '1+1'}. Fix the "
+     "row, or name another field with --prompt-field."),
+    ("a chat message whose content is not text (content parts)", ["--dataset", "{tmp}/chat.jsonl", "--prompt-field",
+     "parts"], "chat.jsonl:1: field parts: message 1 must be {'role': text, 'content': text}, got {'role': 'user', "
+     "'content': [{'type': 'text', 'text': '1+1'}]}."),
+    ("a dotted `--answer-field` that a row lacks", ["--dataset", "{tmp}/chat.jsonl", "--answer-field",
+     "reward_model.answer"], "chat.jsonl:1: missing field reward_model.answer (reward_model has ground_truth, style). "
+     "Name the field with --answer-field."),
+    ("chat-message prompts with `--no-chat-template`", ["--dataset", "{tmp}/chat.jsonl", "--no-chat-template"],
+     "chat.jsonl:1: field prompt: chat messages, which need a chat template; --no-chat-template turns it "
+     "off. Leave --no-chat-template out, or give them as text."),
+    ("`--system-prompt` with `--no-chat-template`", ["--system-prompt", "be brief", "--no-chat-template"],
+     "--system-prompt 'be brief': a system message needs the chat template; --no-chat-template turns it off."),
     ("`--seed 99999999999999999999999`", ["--seed", "99999999999999999999999"],
      "--seed 99999999999999999999999: must be in [0, 2**63)"),
     ("`--temperature 1e-45`", ["--temperature", "1e-45"], "--temperature 1e-45: must be >= 0.01"),
@@ -87,7 +101,9 @@ AT_START_UP = [
     ("`--max-turns 3` without an environment", ["--max-turns", "3"],
      "--max-turns 3: turns after the first answer an environment's observation. Pass --env file.py:Class"),
     ("`--reward-model` with an environment (ppo.py)", ["ppo.py", "--task", "guess", "--reward-model", "{tmp}"],
-     "--reward-model is single-turn: an environment scores its episodes"),
+     ": must be left out with --env and --task guess (single-turn: an environment scores its episodes)"),
+    ("`--demos-per-group` with an environment (gvpo.py)", ["gvpo.py", "--task", "guess", "--demos-per-group", "2"],
+     "--demos-per-group 2: must be 0 with --env and --task guess (an episode has no demonstration)"),
 ]
 
 # Inputs found later, each with its own test below: (input, the start of the message).
@@ -141,6 +157,10 @@ def make_inputs(tmp: Path) -> None:
     (tmp / "empty_prompts.jsonl").write_text("".join(json.dumps({"prompt": "", "answer": "1"}) + "\n"
                                                      for _ in range(20)))
     (tmp / "user_rewards.py").write_text(USER_REWARDS)
+    chat = {"prompt": [{"role": "user", "content": "1+1"}], "no_role": [{"content": "1+1"}], "answer": "2",
+            "parts": [{"role": "user", "content": [{"type": "text", "text": "1+1"}]}],
+            "reward_model": {"ground_truth": "2", "style": "rule"}}
+    (tmp / "chat.jsonl").write_text((json.dumps(chat) + "\n") * 20)
 
 
 USER_REWARDS = """

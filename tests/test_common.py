@@ -20,7 +20,7 @@ from common import (
     generate,
     get_logprobs,
     load_model,
-    load_reward_fn,
+    load_object,
     load_rows,
     load_tokenizer,
     micro_batches,
@@ -88,7 +88,7 @@ def test_load_rows_of_jsonl(tmp_path):
     [
         ('{"prompt": "a", "answer": "b"}\n{"prompt": "a" "answer"}\n', "d.jsonl:2: not valid JSON"),
         ('{"prompt": "a", "answer": "b"}\n{"prompt": "a"}\n', "d.jsonl:2: missing field answer"),
-        ('["prompt", "answer"]\n', "d.jsonl:1: not an object with the fields 'prompt' and 'answer'"),
+        ('["prompt", "answer"]\n', r"d.jsonl:1: missing field prompt \(the row has no fields\)"),
         ("\n\n", "has no examples"),
     ],
 )
@@ -374,7 +374,7 @@ def test_user_reward_fn(tmp_path):
         "def text(prompts, completions, answers):\n    return ['a'] * len(completions)\n"
     )
     spec = str(tmp_path / "my_rewards.py") + ":length"
-    fn = load_reward_fn(spec)
+    fn = load_object(spec, "--reward-fn", "function")
     rewards, parts = score([{"prompt": "p", "answer": "1"}], ["1", "abc"], 2, exact=True, reward_fn=fn,
                            reward_fn_spec=spec)
     assert parts["user"].tolist() == [1, 3] and rewards.tolist() == [2, 3]
@@ -383,12 +383,12 @@ def test_user_reward_fn(tmp_path):
                           ("none", "got None"), ("nan", r"got \[nan, nan\]"), ("text", r"got \['a', 'a'\]")]:
         spec = f"{tmp_path / 'my_rewards.py'}:{name}"
         with pytest.raises(UsageError, match=message):
-            call_reward_fn(load_reward_fn(spec), spec, ["p", "p"], ["1", "2"], ["1", "1"])
+            call_reward_fn(load_object(spec, "--reward-fn", "function"), spec, ["p", "p"], ["1", "2"], ["1", "1"])
     for spec, message in [("no_such_module_xyz:f", "cannot import"), ("nocolon", "expected 'module:function'"),
                           (f"{tmp_path / 'my_rewards.py'}:missing", "no function"),
                           (f"{tmp_path / 'nofile.py'}:f", "cannot import")]:
         with pytest.raises(UsageError, match=message):
-            load_reward_fn(spec)
+            load_object(spec, "--reward-fn", "function")
 
 
 
@@ -397,7 +397,7 @@ def test_a_reward_module_is_imported_from_the_working_directory_and_sys_path_is_
                                              "    return [1.0] * len(completions)\n")
     monkeypatch.chdir(tmp_path)
     before = list(sys.path)
-    fn = load_reward_fn("cwd_rewards:one", [{"prompt": "1+1", "answer": "2"}])
+    fn = load_object("cwd_rewards:one", "--reward-fn", "function")
     assert fn(["p"], ["c"], ["a"]) == [1.0] and sys.path == before
 
 

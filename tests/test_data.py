@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+import common
 from common import UsageError, load_data
 from conftest import read_metrics, run
 from test_runs import main_fails  # grpo.main stops with the message and writes nothing
@@ -118,18 +119,11 @@ def test_a_null_answer_in_a_parquet_file_names_the_row(tmp_path):
 
 
 def test_without_datasets_the_message_names_the_pip_command(tmp_path, monkeypatch):
-    import builtins
+    import sys
 
-    real_import = builtins.__import__
-
-    def no_datasets(name, *args, **kwargs):
-        if name == "datasets":
-            raise ImportError("No module named 'datasets'")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_datasets)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed: importing it raises ImportError
     (tmp_path / "d.parquet").write_bytes(b"")
-    with pytest.raises(UsageError, match=r"--dataset .*d\.parquet.* needs the datasets package: pip install datasets"):
+    with pytest.raises(UsageError, match=r"d\.parquet.* \(not JSONL\) needs datasets: pip install datasets"):
         load_data(str(tmp_path / "d.parquet"), None, 1)
     assert load_data(write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "b"}] * 3), None, 1)  # JSONL: fine
 
@@ -187,3 +181,124 @@ def test_max_prompt_length_drops_and_a_set_left_empty_stops(tmp_path):
                dataset=data, eval_dataset=held_out, max_prompt_length=40)
     main_fails(tmp_path, r"--max-new-tokens 200 leaves no room for a prompt in the model's 128 positions",
                dataset=data, eval_dataset=held_out, max_new_tokens=200)
+
+
+# --- chat-message prompts (TRL's conversational form, verl's parquet), dotted fields, --system-prompt ------------
+
+
+def test_chat_prompts_dotted_fields_and_a_system_prompt_reach_the_ids_in_training_and_evaluation(tmp_path,
+                                                                                              monkeypatch):
+    """A JSONL mixing the forms a user brings (TRL's conversational prompt with and without a system message, and
+    text) with the answer nested: every prompt grpo.py samples from, in training and in evaluation, is exactly the
+    chat template's ids of its messages (`apply_chat_template(..., add_generation_prompt=True)`), with
+    --system-prompt put before those that have no system message, and the prompt's own kept where it has one."""
+    import grpo
+    from common import DEFAULT_MODEL, cli, load_tokenizer
+
+    own, added = {"role": "system", "content": "add the numbers"}, {"role": "system", "content": "be brief"}
+    forms = [lambda p: [own, {"role": "user", "content": p}], lambda p: [{"role": "user", "content": p}], str]
+    rows = [{"prompt": forms[i % 3](f"{a}+{b}"), "info": {"gold": str(a + b)}}
+            for i, (a, b) in enumerate((a, b) for a in range(10, 16) for b in range(20, 22))]
+    tokenizer, expected = load_tokenizer(DEFAULT_MODEL), {}
+    for row in rows:  # what the test expects, worked out here: the system message added to the rows without one
+        messages = [{"role": "user", "content": row["prompt"]}] if isinstance(row["prompt"], str) else row["prompt"]
+        messages = messages if messages[0]["role"] == "system" else [added, *messages]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+        expected[tuple(ids)] = messages[0]["content"]
+    seen, real = {"train": [], "eval": []}, grpo.generate
+
+    def recording(where):
+        def generate(model, tokenizer, prompts, *args, **kwargs):
+            rollout = real(model, tokenizer, prompts, *args, **kwargs)
+            mask = rollout.attention_mask[:, : rollout.prompt_length].bool()
+            seen[where] += [tuple(ids[m].tolist()) for ids, m in zip(rollout.input_ids[:, : rollout.prompt_length],
+                                                                        mask)]
+            return rollout
+        return generate
+
+    monkeypatch.setattr(grpo, "generate", recording("train"))
+    monkeypatch.setattr(common, "generate", recording("eval"))
+    grpo.main(cli(grpo.Args, args=["--dataset", write_jsonl(tmp_path / "conv.jsonl", rows), "--eval-size", "6",
+                                   "--answer-field", "info.gold", "--system-prompt", "be brief", "--num-steps", "2",
+                                   "--prompts-per-step", "4", "--group-size", "2", "--eval-every", "2",
+                                   "--output-dir", str(tmp_path / "runs"), "--run-name", "conv"]))
+    for where, ids in seen.items():
+        assert ids and set(ids) <= set(expected), where  # every prompt: exactly one of the expected renderings
+        assert {expected[x] for x in ids} == {"add the numbers", "be brief"}, where  # both kinds, in both
+    assert len(set(seen["eval"])) == 6  # each held-out prompt
+    assert [m["step"] for m in read_metrics(tmp_path / "runs" / "conv")] == [0, 1, 2]
+    train = load_data(str(tmp_path / "conv.jsonl"), None, 6, answer_field="info.gold")[0]
+    assert [row["answer"] for row in train[:3]] == ["30", "31", "31"]  # (a system message: the tiny model gets none)
+
+
+def test_dapo_trains_on_a_parquet_file_in_dapo_math_17k_schema(tmp_path):
+    """verl's layout, as DAPO-Math-17k stores it: `prompt` a list of messages, the answer in the `reward_model`
+    struct (with `style`), `data_source`, `ability` and an `extra_info` struct beside them."""
+    import datasets
+
+    import dapo
+    from common import cli
+
+    rows = [{"data_source": "math_dapo", "prompt": [{"role": "user", "content": f"{a}+{b}"}], "ability": "math",
+             "reward_model": {"ground_truth": str(a + b), "style": "rule-lean"},
+             "extra_info": {"index": f"{a}-{b}", "split": "train"}} for a in range(10, 20) for b in range(30, 32)]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "dapo-math-17k.parquet"))
+    train, held_out = load_data(str(tmp_path / "dapo-math-17k.parquet"), None, 4,
+                                answer_field="reward_model.ground_truth")
+    assert train[0]["prompt"] == [{"role": "user", "content": "10+30"}] and train[0]["answer"] == "40"
+    assert train[0]["extra_info"] == {"index": "10-30", "split": "train"}  # every field: an --env may read any
+    dapo.main(cli(dapo.Args, args=["--dataset", str(tmp_path / "dapo-math-17k.parquet"), "--eval-size", "4",
+                                   "--answer-field", "reward_model.ground_truth", "--num-steps", "2",
+                                   "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0",
+                                   "--output-dir", str(tmp_path / "runs"), "--run-name", "dapo"]))
+    logged = read_metrics(tmp_path / "runs" / "dapo")
+    assert [m["step"] for m in logged] == [0, 1] and logged[0]["reward/correct"] > 0  # graded on ground_truth
+
+
+CHAT = {"prompt": [{"role": "system", "content": "add"}, {"role": "user", "content": "1+1"}], "answer": "2"}
+
+
+@pytest.mark.parametrize("bad, fields, message", [
+    ({"prompt": [{"content": "1+1"}]}, {}, r"c\.jsonl:3: field prompt: message 1 must be \{'role': text, "
+     r"'content': text\}, got \{'content': '1\+1'\}\. Fix the row, or name another field with --prompt-field\."),
+    ({"prompt": [{"role": "user", "content": 2}]}, {}, r"c\.jsonl:3: field prompt: message 1 must be .*got "
+     r"\{'role': 'user', 'content': 2\}"),
+    ({"prompt": [{"role": "user", "content": [{"type": "text", "text": "1+1"}]}]}, {}, r"c\.jsonl:3: field prompt: "
+     "message 1 must be"),
+    ({"info": {"answer": "2"}}, {"answer_field": "info.gold"}, r"c\.jsonl:3: missing field info\.gold \(info has "
+     r"answer\)\. Name the field with --answer-field\."),
+    ({"info": "2"}, {"answer_field": "info.gold"}, r"c\.jsonl:3: missing field info\.gold \(info has no fields\)"),
+])
+def test_bad_chat_prompts_and_dotted_paths_stop_naming_file_and_line(tmp_path, bad, fields, message):
+    good = {**CHAT, "info": {"gold": "2"}}
+    path = write_jsonl(tmp_path / "c.jsonl", [good, good, {**good, **bad}])
+    with pytest.raises(UsageError, match=message):
+        load_data(path, None, 1, **fields)
+
+
+def test_a_field_whose_name_holds_a_dot_is_read_whole(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1", "reward_model.ground_truth": "2"}] * 2)
+    assert load_data(path, None, 1, answer_field="reward_model.ground_truth")[0][0]["answer"] == "2"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(chat_template=False), r"c\.jsonl:1: field prompt: chat messages, which need a chat template; "
+     r"--no-chat-template turns it off\. Leave --no-chat-template out, or give them as text\."),
+    (dict(chat_template=False, system_prompt="be brief", dataset=None),
+     r"--system-prompt 'be brief': a system message needs the chat template; --no-chat-template turns it off\."),
+])
+def test_messages_or_a_system_prompt_without_the_chat_template_stop(tmp_path, flags, message):
+    main_fails(tmp_path, message, **{"dataset": write_jsonl(tmp_path / "c.jsonl", [CHAT] * 8), "eval_size": 2,
+                                     **flags})
+
+
+def test_an_empty_system_prompt_is_an_empty_system_message():
+    """`--system-prompt ""` is a system message with no text (it replaces a template's default one, as Qwen2.5's),
+    not the flag left out; on the built-in task too, whose prompts are text."""
+    import grpo
+    from common import check_flags, cli, format_prompt, load_task
+
+    check_flags(args := cli(grpo.Args, args=["--system-prompt", "", "--eval-size", "4"]))
+    tokenizer, train, held_out, *_ = load_task(args)
+    assert train[0]["prompt"] == [{"role": "system", "content": ""}, {"role": "user", "content": "86+28"}]
+    assert format_prompt(tokenizer, held_out[0]["prompt"], True).startswith("<|im_start|>system\n<|im_end|>\n")

@@ -5,6 +5,7 @@ losses are those of single-turn, on the policy's tokens: an observation is conte
 import importlib
 import inspect
 import itertools
+import json
 import math
 
 import pytest
@@ -538,6 +539,19 @@ def test_a_first_message_from_reset_is_rendered_as_a_message(monkeypatch):
         prompt = rollout.input_ids[0, :P][rollout.attention_mask[0, :P].bool()]
         assert tokenizer.decode(prompt) == tokenizer.apply_chat_template(rendered, add_generation_prompt=True,
                                                                          tokenize=False)
+
+
+def test_an_episode_starts_from_a_datasets_chat_messages(monkeypatch, tmp_path):
+    """A dataset row whose prompt is a list of messages (TRL's conversational form): the environment is made from
+    the row as read, and without a reset() its episode starts from exactly the template's ids of those messages."""
+    messages = [{"role": "system", "content": "add"}, {"role": "user", "content": "2+3"}]
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": messages, "answer": "5"}) + "\n")
+    rows, made = common.load_data(str(tmp_path / "chat.jsonl"), None, 0)[0], []
+    rollout = scripted(monkeypatch, env(__init__=lambda self, row: made.append(row["prompt"])), rows=rows)
+    P, tokenizer = rollout.prompt_length, load_tokenizer(TASKS["add"][0])
+    assert made == [messages, messages]
+    assert rollout.input_ids[0, :P][rollout.attention_mask[0, :P].bool()].tolist() == \
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
 
 
 def test_rewards_and_metrics_read_the_policys_turns_not_the_observations(monkeypatch):

@@ -256,3 +256,25 @@ def test_a_critic_that_does_not_share_the_tokenizer_is_rejected(tmp_path):
     with pytest.raises(UsageError, match="--critic-model .*its tokenizer differs from --model's"):
         ppo.main(ppo.Args(num_steps=1, critic_model=str(folder), output_dir=str(tmp_path), run_name="bad"))
     assert not (tmp_path / "bad").exists()
+
+
+def test_chat_prompts_with_a_reward_model_without_a_chat_template_stop(tmp_path, reward_model_folder):
+    """The reward model reads prompt + completion through its own tokenizer's chat template: prompts given as chat
+    messages need one, as the policy's do (else `format_prompt` would add text to a list at the first step)."""
+    import json
+    import shutil
+
+    from common import load_tokenizer
+
+    folder = tmp_path / "rm"
+    shutil.copytree(reward_model_folder, folder)
+    tokenizer = load_tokenizer(str(folder))
+    tokenizer.chat_template = None
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    tokenizer.save_pretrained(folder)
+    row = {"prompt": [{"role": "user", "content": "1+1"}], "answer": "2"}
+    (tmp_path / "chat.jsonl").write_text((json.dumps(row) + "\n") * 8)
+    with pytest.raises(UsageError, match="--reward-model .*: its tokenizer has no chat template for the prompts' chat"):
+        ppo.main(ppo.Args(num_steps=1, dataset=str(tmp_path / "chat.jsonl"), eval_size=2, reward_model=str(folder),
+                          output_dir=str(tmp_path / "runs"), run_name="bad"))
+    assert not (tmp_path / "runs").exists()
