@@ -541,12 +541,13 @@ def fit_prompts(train: list[dict], held_out: list[dict], tokenizer, args) -> tup
     fitted = []
     for examples, what in ((train, "training data"), (held_out, "held-out data")):
         texts = [format_prompt(tokenizer, e["prompt"], args.chat_template) for e in examples]
+        once = list(dict.fromkeys(texts))  # each text tokenized once: DAPO-Math-17k repeats each of its problems
         try:
-            lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids] if texts else []
+            lengths = dict(zip(once, map(len, tokenizer(once, add_special_tokens=False).input_ids))) if once else {}
         except Exception as e:  # the default tiny model's tokenizer knows only the built-in tasks' characters
             raise UsageError(f"--model {args.model}: its tokenizer cannot encode the {what} ({e}). Pass a --model "
                              "whose tokenizer covers your data.") from None
-        fitted.append([e for e, n in zip(examples, lengths) if 0 < n <= limit])
+        fitted.append([e for e, text in zip(examples, texts) if 0 < lengths[text] <= limit])
         if examples and not fitted[-1]:
             raise UsageError(f"{what}: all {len(examples)} prompts are empty or {why}. Raise --max-prompt-length, "
                              "or lower --max-new-tokens.")

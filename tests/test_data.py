@@ -292,6 +292,17 @@ def test_messages_or_a_system_prompt_without_the_chat_template_stop(tmp_path, fl
                                      **flags})
 
 
+def test_messages_with_a_model_whose_tokenizer_has_no_chat_template_stop(tmp_path):
+    import shutil
+
+    from common import DEFAULT_MODEL
+
+    shutil.copytree(DEFAULT_MODEL, tmp_path / "plain", ignore=shutil.ignore_patterns("chat_template.jinja"))
+    main_fails(tmp_path, r"c\.jsonl:1: field prompt: chat messages, which need a chat template; --model .*plain has "
+               r"none\. Pass a --model that has one, or give them as text\.", model=str(tmp_path / "plain"),
+               dataset=write_jsonl(tmp_path / "c.jsonl", [CHAT] * 8), eval_size=2)
+
+
 def test_an_empty_system_prompt_is_an_empty_system_message():
     """`--system-prompt ""` is a system message with no text (it replaces a template's default one, as Qwen2.5's),
     not the flag left out; on the built-in task too, whose prompts are text."""
