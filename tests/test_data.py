@@ -1,5 +1,6 @@
-"""Real data: JSONL and `datasets` sources (files the tests write; nothing from the Hub), field names,
-splits, bad rows named by file and line, and prompts that do not fit the model never trained on."""
+"""Real data: JSONL and `datasets` sources (files the tests write; nothing from the Hub), field names and dotted
+paths, splits, prompts as text or chat messages (TRL's and verl's forms) and --system-prompt, bad rows named by file
+and line, and prompts that do not fit the model never trained on."""
 
 import json
 from pathlib import Path
