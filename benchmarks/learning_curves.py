@@ -6,17 +6,23 @@ guess and stress tasks the lab's rollout metrics (docs/lab.md).
     python -m benchmarks.learning_curves --task chain           # the lab: 10 files and 4 variants x 3 seeds x 60 steps
     python -m benchmarks.learning_curves --task guess --eval-every 4   # multi-turn: 10 files x 3 seeds x 12 steps
     python -m benchmarks.learning_curves --task stress          # the chain, 16 optimizer steps per rollout
+    python -m benchmarks.learning_curves --task stress --rates 2e-4 5e-5 1.25e-5 --jobs 2   # each config at 3 rates
+    python -m benchmarks.learning_curves --task stress --configs dapo "dapo +keep-all-groups"  # a change, not a flag
     python -m benchmarks.learning_curves --configs grpo "gvpo --reuse-steps 1" --seeds 1 2
     python -m benchmarks.learning_curves --from-csv             # table and plot of --out only, no training
 
 Every run is `python <file>.py --seed S --num-steps N --eval-every E` with the files' shared defaults and the task's
 flags (`TASKS`): the same rollouts per step for every file, but for DAPO's extra rounds of dynamic sampling, which
-`completions` counts. CSV rows (config, seed, step): `wall_s`, the training seconds so far (without evaluation);
-`eval_accuracy`, `eval_accuracy_greedy` after `step` steps (empty between evaluations); `reward_mean` and the rest
-(`ROLLOUT`, docs/metrics.md), of that step's rollout. Each finished run is appended at once and runs already there
-are skipped: an interrupted benchmark goes on where it stopped. The plot needs matplotlib (benchmarks/requirements)."""
+`completions` counts; a `+name` in a config makes a change no flag makes (CHANGES), and names it in the CSV. CSV
+rows (config, seed, step): `wall_s`, the training seconds so far (without evaluation); `eval_accuracy`,
+`eval_accuracy_greedy` after `step` steps (empty between evaluations); `reward_mean` and the rest (`ROLLOUT`,
+docs/metrics.md), of that step's rollout. Each finished run is appended at once and runs already there are skipped:
+an interrupted benchmark goes on where it stopped. --jobs N runs N at a time on cores/N threads each (sums round
+otherwise with another thread count: the same digits need the same --jobs and cores). The plot needs matplotlib."""
 import csv
+import importlib
 import json
+import os
 import re
 import shlex
 import statistics
@@ -24,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
@@ -41,10 +48,10 @@ LAB_CONFIGS = {"chain": ["dapo --clip-eps-high 0.2", "dapo --overlong-buffer 0",
 CHAIN, GUESS = ["--task", "chain", "--prompts-per-step", "16"], ["--task", "guess", "--prompts-per-step", "8"]
 TASKS = {"add": (200, 0.7, []), "chain": (60, 0.4, CHAIN), "guess": (12, 0.5, GUESS + ["--eval-size", "100"]),
          "stress": (60, 0.4, CHAIN + ["--num-minibatches", "8", "--eval-size", "250"])}
-ROLLOUT = {"reward_mean": "reward/mean", "response_length": "response/length_mean",  # column: metric of the rollout
-           "length_correct": "response/length_correct", "length_wrong": "response/length_wrong",
-           "truncated_frac": "response/truncated_frac", "entropy": "policy/entropy",
-           "clipfrac_low": "policy/clipfrac_low", "clipfrac_high": "policy/clipfrac_high",
+ROLLOUT = {"reward_mean": "reward/mean", "correct": "reward/correct",  # column: metric of the rollout
+           "response_length": "response/length_mean", "length_correct": "response/length_correct",
+           "length_wrong": "response/length_wrong", "truncated_frac": "response/truncated_frac",
+           "entropy": "policy/entropy", "clipfrac_low": "policy/clipfrac_low", "clipfrac_high": "policy/clipfrac_high",
            "self_correction_frac": "task/self_correction_frac", "turns": "env/turns",
            "self_correction_accuracy": "task/self_correction_accuracy", "kept_groups_frac": "algo/kept_groups_frac",
            "explained_variance": "algo/explained_variance", "step_s": "perf/step_s", "approx_kl": "policy/approx_kl",
@@ -53,13 +60,46 @@ ROLLOUT = {"reward_mean": "reward/mean", "response_length": "response/length_mea
 COLUMNS = ["config", "seed", "step", "wall_s", "completions", "eval_accuracy", "eval_accuracy_greedy", *ROLLOUT]
 
 
-def run(config: str, seed: int, steps: int, eval_every: int, extra: list[str], out: Path) -> list[dict]:
-    """Train one configuration ("<file> [flags]") for one seed; its metrics as CSV rows."""
+def keep_all_groups(filter_groups):
+    """dapo.py without dynamic sampling: every group trained, those whose completions are all right or all wrong too"""
+    import torch
+
+    return lambda correct, group_size: torch.ones(len(correct) // group_size, dtype=torch.bool)
+
+
+def sequence_mean(compute_loss):
+    """dapo.py without the token-level loss: the mean over each completion's tokens, then over the completions (as
+    grpo.py's). The micro-batch's rows are the optimizer step's, as in these runs: one rank, no --micro-batch-size."""
+    def loss(logprobs, old_logprobs, advantages, mask, num_tokens, *clip):
+        per_completion = mask / mask.sum(-1, keepdim=True).clamp(min=1)  # each completion's tokens weigh 1 in all
+        metrics = compute_loss(logprobs, old_logprobs, advantages, mask, num_tokens, *clip)[1]  # logged as dapo's
+        return compute_loss(logprobs, old_logprobs, advantages, per_completion, len(mask), *clip)[0], metrics
+    return loss
+
+
+CHANGES = {"+keep-all-groups": ("filter_groups", keep_all_groups), "+sequence-mean": ("compute_loss", sequence_mean)}
+
+
+def changed(file: str, changes: list[str]) -> None:
+    """Run <file>.py with the CHANGES named made to its functions (main calls them by their module names)."""
+    module = importlib.import_module(file)
+    for change in changes:
+        name, change_fn = CHANGES[change]
+        setattr(module, name, change_fn(getattr(module, name)))
+    module.main(module.cli(module.Args))
+
+
+def run(config: str, seed: int, steps: int, eval_every: int, extra: list[str], out: Path, threads: int) -> list[dict]:
+    """Train one configuration ("<file> [+change] [flags]") for one seed; its metrics as CSV rows."""
     file, *flags = shlex.split(config)
+    changes, flags = [f for f in flags if f in CHANGES], [f for f in flags if f not in CHANGES]
     name = f"{re.sub(r'[^A-Za-z0-9]+', '_', config)}_s{seed}"  # one folder per config and seed
-    cmd = [sys.executable, str(ROOT / f"{file}.py"), *flags, "--seed", str(seed), "--num-steps", str(steps),
+    script = ["-c", f"from benchmarks.learning_curves import changed; changed({file!r}, {changes})"] if changes \
+        else [str(ROOT / f"{file}.py")]
+    cmd = [sys.executable, *script, *flags, "--seed", str(seed), "--num-steps", str(steps),
            "--eval-every", str(eval_every), "--output-dir", str(out), "--run-name", name, *extra]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         raise SystemExit(f"{shlex.join(cmd)} failed:\n{result.stderr[-3000:]}")
     run_config = json.loads((out / name / "config.json").read_text())
@@ -114,12 +154,22 @@ def mean_std(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {statistics.stdev(values) if len(values) > 1 else 0.0:.3f}"
 
 
+def collapse_step(run: list[dict], floor: float = 0.05, span: int = 5) -> Optional[int]:
+    """The first of `span` steps in a row whose rollouts average below `floor` accuracy, or None: a run there has
+    collapsed (a group all wrong has no advantage, so nothing trains it back)."""
+    accuracy = [row["correct"] for row in run]
+    return next((run[i]["step"] for i in range(len(run) - span + 1) if statistics.mean(accuracy[i:i + span]) < floor),
+                None)
+
+
 def summarize(rows: list[dict], target: float) -> list[dict]:
     """Per config: final held-out accuracy (mean ± std over seeds); steps, seconds and completions until the first
     evaluation at `target` (mean over the seeds that reach it, and how many do)."""
-    table = []
+    table, rollouts = [], curves(rows, "correct")
     for config, seeds in curves(rows, "eval_accuracy").items():
         finals = [r[-1] for r in seeds.values()]
+        ran = rollouts.get(config, {}).values()  # empty where the CSV has no `correct` column
+        fell = [s for s in map(collapse_step, ran) if s is not None]
         hits = [next((row for row in r if row["eval_accuracy"] >= target), None) for r in seeds.values()]
         reached = [h for h in hits if h is not None]
 
@@ -128,6 +178,9 @@ def summarize(rows: list[dict], target: float) -> list[dict]:
 
         table.append({"config": config, "seeds": len(seeds), "steps": finals[0]["step"],
                       "final": mean_std([f["eval_accuracy"] for f in finals]),
+                      "gain": mean_std([r[-1]["eval_accuracy"] - r[0]["eval_accuracy"] for r in seeds.values()]),
+                      "collapsed": f"{len(fell)}/{len(ran)}" + (f" ({', '.join(map(str, fell))})" if fell else "")
+                      if ran else "-",
                       "final_greedy": mean_std([f["eval_accuracy_greedy"] for f in finals]),
                       "reached": f"{len(reached)}/{len(seeds)}", "steps_to_target": at_target("step"),
                       "wall_to_target": at_target("wall_s"), "completions_to_target": at_target("completions"),
@@ -136,11 +189,12 @@ def summarize(rows: list[dict], target: float) -> list[dict]:
 
 
 def format_table(table: list[dict], target: float) -> str:
-    lines = [f"| config | seeds | steps | final sampled acc. | final greedy acc. | reached {target} | "
-             f"steps to {target} | train s to {target} | completions to {target} | train s (all) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| config | seeds | steps | final sampled acc. | gain | final greedy acc. | collapsed (at step) | "
+             f"reached {target} | steps to {target} | train s to {target} | completions to {target} | train s (all) |",
+             "|---" * 12 + "|"]
     for t in table:
-        lines.append(f"| {t['config']} | {t['seeds']} | {t['steps']} | {t['final']} | {t['final_greedy']} | "
+        lines.append(f"| {t['config']} | {t['seeds']} | {t['steps']} | {t['final']} | {t['gain']} | "
+                     f"{t['final_greedy']} | {t['collapsed']} | "
                      f"{t['reached']} | {t['steps_to_target']} | {t['wall_to_target']} | "
                      f"{t['completions_to_target']} | {t['train_s']} |")
     return "\n".join(lines)
@@ -176,7 +230,7 @@ def plot(rows: list[dict], path: Path, title: str, panels: list[tuple[str, str, 
             steps = sorted(set.intersection(*(set(run) for run in runs)))
             x = [statistics.mean(run[s][x_key] for run in runs) for s in steps]  # completions differ by seed
             ys = [[run[s][y_key] for run in runs] for s in steps]
-            colour, style = colours[k % len(colours)], "-" if k < len(colours) else "--"
+            colour, style = colours[k % len(colours)], ["-", "--", ":"][k // len(colours) % 3]
             ax.plot(x, [statistics.mean(y) for y in ys], color=colour, linestyle=style,
                     label=f"{config} ({len(runs)} seeds)")
             ax.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=colour, alpha=0.15)
@@ -232,12 +286,17 @@ class Args:
     """no training: the table and the plot from --out"""
     extra: str = ""
     """flags passed to every run, as one string after '=': --extra="--eval-size 100" """
+    rates: tuple[str, ...] = ()
+    """learning rates: each config runs at each, as '<config> --learning-rate R'; left out: the files' own"""
+    jobs: int = 1
+    """runs at a time, each on cores/jobs threads"""
 
 
 def main(args: Args) -> None:
     steps, target, task_flags = TASKS[args.task]
     args.steps, args.target = args.steps or steps, args.target or target
     args.configs = args.configs or tuple(CONFIGS + LAB_CONFIGS.get(args.task, []))
+    args.configs = tuple(f"{c} --learning-rate {r}" for r in args.rates for c in args.configs) or args.configs
     args.out = args.out or ROOT / "benchmarks" / "results" / \
         ("learning_curves.csv" if args.task == "add" else f"learning_curves_{args.task}.csv")
     extra = task_flags + shlex.split(args.extra)
@@ -251,15 +310,14 @@ def main(args: Args) -> None:
         # seed-major: every config has a seed early, should the benchmark be stopped half way
         todo = [(c, s) for s in args.seeds for c in args.configs if (c, s) not in done]
         print(f"{len(todo)} runs of {args.steps} steps to do ({len(done)} already in {args.out})", flush=True)
-        start_all = time.perf_counter()
-        with tempfile.TemporaryDirectory() as tmp:
-            for i, (config, seed) in enumerate(todo, 1):
-                start = time.perf_counter()
-                new = run(config, seed, args.steps, args.eval_every, extra, Path(tmp))
+        start_all, threads = time.perf_counter(), max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else 0
+        with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:  # results in todo's order
+            runs = pool.map(lambda c_s: run(*c_s, args.steps, args.eval_every, extra, Path(tmp), threads), todo)
+            for i, ((config, seed), new) in enumerate(zip(todo, runs), 1):
                 append_csv(args.out, new)
                 print(f"[{i}/{len(todo)}] {config} seed {seed}: held-out {new[0]['eval_accuracy']:.3f} -> "
                       f"{new[-1]['eval_accuracy']:.3f} (greedy {new[-1]['eval_accuracy_greedy']:.3f}), "
-                      f"{time.perf_counter() - start:.0f} s", flush=True)
+                      f"{time.perf_counter() - start_all:.0f} s so far", flush=True)
         print(f"{len(todo)} runs in {(time.perf_counter() - start_all) / 60:.1f} minutes")
 
     if not args.out.exists():
