@@ -27,7 +27,8 @@ Differences from grpo.py:
   clipping, no ratio, no KL term and no reference model (the anchor is the step's starting policy).
 - Aggregation: per group, 1/(k-1) sum over its completions of whole-sequence terms, mean over groups;
   micro-batches and minibatches hold whole groups (sizes must be multiples of --group-size).
-- --reuse-steps K: train on the fresh groups plus those of the previous K steps (default 0).
+- --reuse-steps K: train on the fresh groups plus those of the previous K steps (default 0), in
+  --updates-per-rollout passes over each group in all, spread over the K+1 steps it is trained at.
 - --demos-per-group k: mixed data, k of each group's G completions the example's worked completion (default 0).
 - --target-kl d: beta adapted after each step toward a KL of d nats per completion from the anchor to the updated
   policy, by PPO's adaptive KL penalty; the loss is then divided by beta (docs/gvpo.md; default: beta fixed).
@@ -243,8 +244,8 @@ class AlgorithmFlags:
     beta: float = 0.1
     """KL strength toward the anchor; implicit reward beta * (log pi_theta - log pi_theta') (official code: 0.1)"""
     reuse_steps: int = 0
-    """also train on the groups sampled in the previous K steps (0: on-policy only); pair it with
-    --updates-per-rollout 1, so that each group is trained in as many passes as on-policy (docs/gvpo.md)"""
+    """also train on the groups sampled in the previous K steps (0: on-policy only); each group is then trained at K+1
+    steps, --updates-per-rollout // (K+1) passes at each (at least 1): the default 2 and K = 1 take one pass a step"""
     demos_per_group: int = 0
     """mixed data: k of each group's G completions are the example's worked completion (--task chain's
     scratchpad; on a --dataset, its answer), not sampled: graded and trained as the others (docs/gvpo.md)"""
@@ -349,6 +350,9 @@ def main(args: Args) -> None:
             "--task guess (an episode has no demonstration)")
     require(args.target_kl is None or args.target_kl > 0, "--target-kl", args.target_kl,
             "> 0 nats per completion (or leave it out to keep --beta fixed)")
+    # A replayed group is trained at K+1 steps: --updates-per-rollout counts the passes over it in all, not at each
+    # step (two a step over replayed groups, four over each, collapsed on the default task: docs/gvpo.md)
+    args.updates_per_rollout = max(1, args.updates_per_rollout // (args.reuse_steps + 1))
     exact_div(args.minibatch_size, args.group_size, "--num-minibatches must split the sequences per rank into "
               "whole groups (a multiple of --group-size)")
     exact_div(args.micro_batch_size, args.group_size, "--micro-batch-size must be a multiple of --group-size: "

@@ -320,7 +320,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monk
 # docs/benchmarks.md): 50 steps, +0.20.
 STEPS = {"grpo": 20, "dapo": 20, "cispo": 20, "drgrpo": 20, "gspo": 20, "ppo": 20, "gvpo": 50, "rloo": 50, "dppo": 30,
          "sapo": 50}
-REUSE = ("gvpo", ["--reuse-steps", "1", "--updates-per-rollout", "1"], 100)
+REUSE = ("gvpo", ["--reuse-steps", "1"], 100)
 
 
 @pytest.mark.parametrize("algo, flags, steps", [(a, [], STEPS[a]) for a in ALGORITHMS] + [REUSE],
@@ -333,12 +333,11 @@ def test_learns_the_default_task(tmp_path, algo, flags, steps):
     The run as a user types it also logs, at every step, the sampler guard of completions that the policy
     sampled itself: a gap of float rounding (measured <= 2e-6 here), never above 1e-4.
 
-    GVPO replaying the previous step's groups trains each group in two steps, so it takes one pass per
-    step (--updates-per-rollout 1) to train each as often as on-policy does. Measured (2026-12-01, 2
-    cores, AMD EPYC), rise in held-out sampled accuracy at steps 50 / 100 / 200, seeds 1 / 2 / 3: with
-    one pass +0.13 / +0.22 / +0.21, +0.17 / +0.24 / +0.41, +0.15 / +0.27 / +0.29; with the default two
-    passes only +0.09, +0.06, +0.13 at step 200 (on another machine's rounding +0.26, +0.22, +0.22: the
-    two-pass run oscillates, and where it ends depends on the float rounding). Hence 100 steps, one pass."""
+    GVPO replaying the previous step's groups (--reuse-steps 1, its other flags the defaults) trains each group
+    at two steps, one pass at each: as often as on-policy. Measured (2026-12-01, 2 cores, AMD EPYC), rise in
+    held-out sampled accuracy at steps 50 / 100 / 200, seeds 1 / 2 / 3: +0.13 / +0.22 / +0.21, +0.17 / +0.24 /
+    +0.41, +0.15 / +0.27 / +0.29; with two passes a step (the default before the passes were counted over the
+    steps) only +0.09, +0.06, +0.13 at step 200, the run oscillating. Hence 100 steps."""
     result = run([f"{algo}.py", "--num-steps", str(steps), "--eval-every", str(steps), "--output-dir", str(tmp_path),
                   "--run-name", "learn", "--seed", "1", *flags], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
