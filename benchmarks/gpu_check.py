@@ -23,18 +23,17 @@ import torch
 import tyro
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from benchmarks.lockstep import UPDATES_PER_ROLLOUT, Shape, compare, print_comparison, save_with_offline_tokenizer
+from benchmarks.lockstep import ROOT, UPDATES_PER_ROLLOUT, Shape, compare, print_comparison, save_with_offline_tokenizer
 from benchmarks.memory_fit import QWEN
 from benchmarks.memory_fit import Shape as ModelShape
+from common import format_prompt, load_tokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
-
+SAMPLERS = {"generate": [], "vllm": ["--vllm"], "vllm_weights_freed": ["--vllm", "--no-vllm-keep-weights"]}
 # Qwen2.5-0.5B's and 1.5B's shapes (memory_fit's), and the CPU check's (vLLM's CPU attention takes heads of 32)
 SHAPES = {shape.name.lower(): shape for shape in QWEN[:2] + [ModelShape("tiny", 2, 64, 128, 2, 1, tied=True)]}
 
 
-def qwen_config(name: str) -> Qwen2Config:
-    s = SHAPES[name]
+def qwen_config(s: ModelShape) -> Qwen2Config:
     return Qwen2Config(vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
                        hidden_act="silu", use_sliding_window=False, tie_word_embeddings=True, hidden_size=s.hidden,
                        intermediate_size=s.intermediate, num_hidden_layers=s.layers, num_attention_heads=s.heads,
@@ -85,17 +84,12 @@ class Args:
 
 def dataset(folder: Path, args: Args) -> None:
     """<folder>/prompts.jsonl: prompts of digits that take --prompt-length tokens with the chat template."""
-    from common import format_prompt, load_tokenizer
-
     tokenizer = load_tokenizer(str(folder / "model"))
     template = len(tokenizer(format_prompt(tokenizer, "", True), add_special_tokens=False).input_ids)
     generator = torch.Generator().manual_seed(0)
     rows = [{"prompt": "".join(map(str, torch.randint(10, (args.prompt_length - template,), generator=generator)
                                   .tolist())), "answer": "1"} for _ in range(4 * args.prompts)]
     (folder / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-
-
-SAMPLERS = {"generate": [], "vllm": ["--vllm"], "vllm_weights_freed": ["--vllm", "--no-vllm-keep-weights"]}
 
 
 def grpo_rounds(folder: Path, args: Args, config, name: str) -> dict:
@@ -109,10 +103,9 @@ def grpo_rounds(folder: Path, args: Args, config, name: str) -> dict:
     if result.returncode != 0:
         raise SystemExit(f"error: grpo.py {' '.join(SAMPLERS[name])} failed:\n{result.stderr[-3000:]}")
     steps = [json.loads(line) for line in (folder / "runs" / name / "metrics.jsonl").read_text().splitlines()][1:]
-    B = args.prompts * args.group_size
-    L = round(statistics.median(m["response/length_mean"] for m in steps))
-    flops = UPDATES_PER_ROLLOUT * update_flops(config, B, args.prompt_length + L, L,
-                                               prompts=B // args.group_size)  # micro-batches of whole groups
+    B, L = args.prompts * args.group_size, round(statistics.median(m["response/length_mean"] for m in steps))
+    # micro-batches of whole groups: each group's prompt runs once
+    flops = UPDATES_PER_ROLLOUT * update_flops(config, B, args.prompt_length + L, L, prompts=args.prompts)
     update_s = statistics.median(m["perf/update_s"] for m in steps)
     figures = {"round_s": statistics.median(m["perf/step_s"] for m in steps),
                "gen_s": statistics.median(m["perf/gen_s"] for m in steps),
@@ -121,10 +114,8 @@ def grpo_rounds(folder: Path, args: Args, config, name: str) -> dict:
                "peak_mem_gb": max(m["perf/peak_mem_gb"] for m in steps)}
     if torch.cuda.is_available():
         figures["mfu"] = figures["update_tflops_per_s"] / args.peak_tflops
-    for key in ("sampler_logprob_gap", "sampler_logprob_gap_max", "correction_weight_mean",
-                "correction_truncated_frac"):
-        if f"policy/{key}" in steps[0]:
-            figures[key] = max(m[f"policy/{key}"] for m in steps)
+    keys = ("sampler_logprob_gap", "sampler_logprob_gap_max", "correction_weight_mean", "correction_truncated_frac")
+    figures |= {key: max(m[f"policy/{key}"] for m in steps) for key in keys if f"policy/{key}" in steps[0]}
     return figures
 
 
@@ -137,15 +128,14 @@ def main(args: Args) -> None:
     print(f"{device}; {args.prompts} prompts of {args.prompt_length} tokens x {args.group_size} completions of "
           f"{args.new_tokens} new tokens, micro-batches of {args.micro_batch_size}, {args.rounds} timed round(s) "
           f"after a warm-up{'' if has_vllm else '; vLLM is not installed: generate only'}", flush=True)
-    results = {}
+    results = {shape: {} for shape in args.shapes}
     for shape in args.shapes:
         with tempfile.TemporaryDirectory() as tmp:
-            folder, config = Path(tmp), qwen_config(shape)
+            folder, config = Path(tmp), qwen_config(SHAPES[shape])
             torch.manual_seed(0)
             save_with_offline_tokenizer(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16),
                                         folder / "model")
             dataset(folder, args)
-            results[shape] = {}
             # vllm_weights_freed on a GPU only: on a CPU vLLM never sleeps, so it would repeat the vllm run
             for name in [n for n in SAMPLERS if has_vllm and (gpu or n != "vllm_weights_freed") or n == "generate"]:
                 figures = results[shape][name] = grpo_rounds(folder, args, config, name)

@@ -60,11 +60,8 @@ ROLLOUT = {"reward_mean": "reward/mean", "correct": "reward/correct",  # column:
 COLUMNS = ["config", "seed", "step", "wall_s", "completions", "eval_accuracy", "eval_accuracy_greedy", *ROLLOUT]
 
 
-def keep_all_groups(filter_groups):
-    """dapo.py without dynamic sampling: every group trained, those whose completions are all right or all wrong too"""
-    import torch
-
-    return lambda correct, group_size: torch.ones(len(correct) // group_size, dtype=torch.bool)
+def keep_all_groups(filter_groups):  # dapo.py without dynamic sampling: every group trained, one-outcome ones too
+    return lambda correct, group_size: correct.new_ones(len(correct) // group_size).bool()
 
 
 def sequence_mean(compute_loss):
@@ -83,9 +80,8 @@ CHANGES = {"+keep-all-groups": ("filter_groups", keep_all_groups), "+sequence-me
 def changed(file: str, changes: list[str]) -> None:
     """Run <file>.py with the CHANGES named made to its functions (main calls them by their module names)."""
     module = importlib.import_module(file)
-    for change in changes:
-        name, change_fn = CHANGES[change]
-        setattr(module, name, change_fn(getattr(module, name)))
+    for name, change in (CHANGES[c] for c in changes):
+        setattr(module, name, change(getattr(module, name)))
     module.main(module.cli(module.Args))
 
 
@@ -189,15 +185,12 @@ def summarize(rows: list[dict], target: float) -> list[dict]:
 
 
 def format_table(table: list[dict], target: float) -> str:
-    lines = [f"| config | seeds | steps | final sampled acc. | gain | final greedy acc. | collapsed (at step) | "
-             f"reached {target} | steps to {target} | train s to {target} | completions to {target} | train s (all) |",
-             "|---" * 12 + "|"]
-    for t in table:
-        lines.append(f"| {t['config']} | {t['seeds']} | {t['steps']} | {t['final']} | {t['gain']} | "
-                     f"{t['final_greedy']} | {t['collapsed']} | "
-                     f"{t['reached']} | {t['steps_to_target']} | {t['wall_to_target']} | "
-                     f"{t['completions_to_target']} | {t['train_s']} |")
-    return "\n".join(lines)
+    heads = {"config": "config", "seeds": "seeds", "steps": "steps", "final": "final sampled acc.", "gain": "gain",
+             "final_greedy": "final greedy acc.", "collapsed": "collapsed (at step)", "reached": f"reached {target}",
+             "steps_to_target": f"steps to {target}", "wall_to_target": f"train s to {target}",
+             "completions_to_target": f"completions to {target}", "train_s": "train s (all)"}
+    lines = ["| " + " | ".join(heads.values()) + " |", "|---" * len(heads) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(str(t[key]) for key in heads) + " |" for t in table])
 
 
 PANELS = [("step", "eval_accuracy", "held-out accuracy (sampled, T=1)"), ("step", "eval_accuracy_greedy",

@@ -1,7 +1,7 @@
-"""Two trainers loaded side by side, taking turns one rollout round at a time: an algorithm file against TRL's
-GRPOTrainer at the file's configuration, or against the same file in another checkout (before and after a change).
-Rounds taken in turns (A B B A ...) see the same machine, and the ratio of each round to its neighbour cancels the
-slow drifts that separate runs on a shared machine show.
+"""Two trainers loaded side by side, each in its own process, taking turns one rollout round at a time: an algorithm
+file against TRL's GRPOTrainer at the file's configuration, or against the same file in another checkout (before and
+after a change). Rounds taken in turns (A B B A ...) see the same machine, and the ratio of each round to its neighbour
+cancels the slow drifts that separate runs on a shared machine show.
 
     python -m benchmarks.lockstep                               # from the repo root: grpo.py against TRL
     python -m benchmarks.lockstep --shape varied --this-flags="--max-tokens-per-micro-batch 400"
@@ -9,25 +9,21 @@ slow drifts that separate runs on a shared machine show.
 
 Shapes (fp32 on CPU, `--dtype auto`):
 - default: the offline default, 32 prompts x 8 completions, 8 new tokens (EOS after ~3.5);
-- realistic: Qwen/Qwen3-0.6B's config with 4 of its 28 layers (218.5M parameters, vocabulary 151,936, tied
-  embeddings), random weights, the offline tokenizer: 4 prompts x 4 completions, 32 new tokens (all drawn: random
-  weights almost never sample EOS);
+- realistic: Qwen/Qwen3-0.6B's config (`QWEN3_0_6B`) with 4 of its 28 layers (218.5M parameters), random weights,
+  the offline tokenizer: 4 prompts x 4 completions, 32 new tokens (all drawn: random weights almost never sample EOS);
 - varied: the same model with EOS made likelier (`realistic_model`), so that lengths spread as a real run's, 256
   new tokens (median ~65, ~8% reach the cap); learning rate 1e-7, so that they stay so;
 - tool: episodes of up to 4 turns on the chain task with a calculator (examples/sums.py: a turn ends at '=');
   8 prompts x 4, 96 tokens; against a checkout only.
-Both sample at T=1 without top-k or top-p and take 2 updates per rollout on the whole batch, with beta 0.04 and a
-reference model, gradient clipping at 1.0. TRL runs with `gradient_checkpointing=False` and, on CPU, `bf16=False`,
-`loss_type="grpo"`, `num_iterations=2`, the same prompts (`common.format_prompt`) and reward (`common.score`): `pip
-install -r benchmarks/requirements.txt`. On a GPU, benchmarks/gpu_check.py runs the comparison at its own shape.
+Both sample at T=1 without top-k or top-p and take 2 updates per rollout on the whole batch (beta 0.04, a reference
+model, gradient clipping at 1.0); TRL (`pip install -r benchmarks/requirements.txt`) with `loss_type="grpo"`, no
+gradient checkpointing, fp32 on CPU, the same prompts and reward. On a GPU: benchmarks/gpu_check.py, at its own shape.
 
-A round is one training step: sampling, scoring, old and reference log-probs, the updates and the logging. Each
-trainer runs in its own process; only one works at a time. Printed: each trainer's median seconds per round and
-range, the split of the round (TRL's: generating and scoring, with its log-probs, and the rest), the share of the
-positions the update computed that were padding, and the positions model.generate computed per completion; and
-the median ratio of neighbouring rounds, with its range. The last line is the same as JSON. Not a test.
+A round is one training step: sampling, scoring, old and reference log-probs, the updates and the logging. Printed: each
+trainer's median seconds per round and range, the split of the round (TRL's: generating and scoring, with its log-probs,
+and the rest), the share of padding in the positions the update computed, and the positions model.generate computed per
+completion; and the median ratio of neighbouring rounds, with its range. The last line is the same as JSON. Not a test.
 """
-import contextlib
 import importlib
 import json
 import multiprocessing
@@ -44,9 +40,8 @@ from typing import Literal, Optional
 
 import tyro
 
-ROOT = Path(__file__).resolve().parent.parent
 # Nothing of the project is imported at the top: a worker imports the algorithm file of its own checkout.
-
+ROOT = Path(__file__).resolve().parent.parent
 UPDATES_PER_ROLLOUT, BETA = 2, 0.04  # grpo.py's defaults
 # Qwen/Qwen3-0.6B's config.json (written out: nothing is downloaded).
 QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -81,34 +76,25 @@ def save_with_offline_tokenizer(model, folder: Path) -> None:
         shutil.copy(ROOT / "tiny_model" / name, folder / name)
 
 
-class Stop(Exception):
-    """Raised in a worker told to stop, after its last timed round."""
-
-
 class Turns:
     """A worker's side: `ready()` once loaded, `done(figures)` after each round; each waits for the next turn."""
 
     def __init__(self, conn):
         self.conn, self.start = conn, 0.0
 
-    def _wait(self) -> None:
-        if self.conn.recv() == "stop":
-            raise Stop
+    def ready(self, message: tuple = ("ready", None)) -> None:
+        self.conn.send(message)
+        if self.conn.recv() == "stop":  # after the last timed round: the worker's process ends here
+            raise SystemExit
         self.start = time.perf_counter()
 
-    def ready(self) -> None:
-        self.conn.send(("ready", None))
-        self._wait()
-
     def done(self, figures: dict) -> None:
-        self.conn.send(("round", {"round_s": time.perf_counter() - self.start, **figures}))
-        self._wait()
+        self.ready(("round", {"round_s": time.perf_counter() - self.start, **figures}))
 
 
 def file_worker(conn, root: str, file: str, flags: list[str]) -> None:
-    """Runs `<root>/<file>.py`'s main with `flags`, one step per turn (from its Logger's creation to each step's
-    log), with the step's `perf/*`, the positions the update's forwards computed and how many were padding, and
-    model.generate's (rows x new tokens: an ended row keeps its place until the batch ends)."""
+    """Runs `<root>/<file>.py`'s main with `flags`, one step per turn (from its Logger's creation to each step's log),
+    with its `perf/*`, the positions the update's forwards computed and how many were padding, and model.generate's."""
     sys.stdout = open(os.devnull, "w")  # the run's progress lines; errors still go to stderr
     sys.path.insert(0, root)
     module, mixin = importlib.import_module(file), importlib.import_module("transformers").GenerationMixin
@@ -136,14 +122,13 @@ def file_worker(conn, root: str, file: str, flags: list[str]) -> None:
             return get_logprobs(model, ids, mask, P, *args, **kwargs)
 
     def counted_generate(self, *args, **kwargs):
-        out = generate(self, *args, **kwargs)
+        out = generate(self, *args, **kwargs)  # rows x new tokens: an ended row keeps its place until the batch ends
         counts["sampled_positions"] += out.shape[0] * (out.shape[1] - kwargs["input_ids"].shape[1])
         return out
 
     logger_class.__init__, logger_class.log, module.get_logprobs = init_then_wait, log_then_wait, counted_get_logprobs
     mixin.generate = counted_generate
-    with contextlib.suppress(Stop):
-        module.main(module.cli(module.Args, flags))
+    module.main(module.cli(module.Args, flags))
 
 
 def trl_worker(conn, model: str, shape: "Shape", rounds: int, seed: int, vllm: bool = False) -> None:
@@ -161,9 +146,8 @@ def trl_worker(conn, model: str, shape: "Shape", rounds: int, seed: int, vllm: b
     from common import builtin_splits, format_prompt, load_tokenizer, score
 
     tokenizer = load_tokenizer(model, "--model")
-    train_set, _ = builtin_splits()
     dataset = Dataset.from_list([{"prompt": format_prompt(tokenizer, e["prompt"], True), "answer": e["answer"]}
-                                 for e in train_set])
+                                 for e in builtin_splits()[0]])  # the train split
 
     def reward(prompts, completions, answer, **kwargs):
         examples = [{"prompt": p, "answer": a} for p, a in zip(prompts, answer)]  # one per completion
@@ -180,9 +164,8 @@ def trl_worker(conn, model: str, shape: "Shape", rounds: int, seed: int, vllm: b
                 turns.done(dict(seconds))
                 seconds["rollout_s"] = 0.0
 
-    batch = shape.prompts_per_step * shape.group_size
+    batch, gpu = shape.prompts_per_step * shape.group_size, torch.cuda.is_available()
     micro_batch = shape.micro_batch_size or batch
-    gpu = torch.cuda.is_available()
     with tempfile.TemporaryDirectory() as out:
         config = GRPOConfig(
             output_dir=out, report_to="none", save_strategy="no", logging_steps=10**6, seed=seed,
@@ -206,8 +189,7 @@ def trl_worker(conn, model: str, shape: "Shape", rounds: int, seed: int, vllm: b
             return result
 
         trainer._generate_and_score_completions = rollout_timed
-        with contextlib.suppress(Stop):
-            trainer.train()
+        trainer.train()
 
 
 class Worker:
@@ -226,11 +208,9 @@ class Worker:
             raise SystemExit(f"error: {self.name} stopped (exit code {self.process.join(5) or self.process.exitcode});"
                              " its error is printed above") from None
 
-    def run_round(self, timed: bool) -> None:
+    def run_round(self) -> dict:
         self.conn.send("go")
-        kind, figures = self.receive()
-        if timed:
-            self.rounds.append(figures)
+        return self.receive()[1]  # the round's figures
 
     def stop(self) -> None:
         self.conn.send("stop")
@@ -274,16 +254,14 @@ def compare(file: str, against: str, model: str, shape: Shape, rounds: int, warm
     for worker in (this, other):
         worker.receive()  # loaded, waiting for its first turn
     for worker in (this, other) * warmup:
-        worker.run_round(False)
-    for _ in range(rounds // 2):
-        for worker in (this, other, other, this):
-            worker.run_round(True)
+        worker.run_round()
+    for worker in (this, other, other, this) * (rounds // 2):
+        worker.rounds.append(worker.run_round())
     for worker in (this, other):
         worker.stop()
     ratios = sorted(x["round_s"] / y["round_s"] for x, y in zip(this.rounds, other.rounds))  # neighbours
     return {"names": [this.name, other.name], "this": summary(this.rounds), "other": summary(other.rounds),
-            "ratio": statistics.median(ratios), "ratio_min": ratios[0], "ratio_max": ratios[-1],
-            "rounds": this.rounds}
+            "ratio": statistics.median(ratios), "ratio_min": ratios[0], "ratio_max": ratios[-1], "rounds": this.rounds}
 
 
 def summary(rounds: list[dict]) -> dict:

@@ -27,7 +27,6 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import tyro
 
@@ -45,22 +44,12 @@ class Shape:
     vocab: int = 151936
     tied: bool = False
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def layer_params(self) -> int:
-        H, mlp, kv = self.hidden, self.intermediate, self.kv_heads * self.head_dim
-        return H * H * 2 + H * kv * 2 + 3 * H * mlp + 2 * H  # q, o; k, v; gate, up, down; two norms
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab * self.hidden * (1 if self.tied else 2)  # input embeddings (and the LM head if untied)
-
-    @property
-    def params(self) -> int:
-        return self.layers * self.layer_params + self.embedding_params + self.hidden  # + the final norm
+    def __post_init__(self):
+        H, self.head_dim = self.hidden, self.hidden // self.heads
+        kv = self.kv_heads * self.head_dim
+        self.layer_params = H * H * 2 + H * kv * 2 + 3 * H * self.intermediate + 2 * H  # q o, k v, gate up down, norms
+        self.embedding_params = self.vocab * H * (1 if self.tied else 2)  # input embeddings (and the LM head if untied)
+        self.params = self.layers * self.layer_params + self.embedding_params + H  # + the final norm
 
 
 # Qwen2.5 shapes (layers, hidden, MLP, heads, KV heads; from the published configs, recalled, not read here)
@@ -69,39 +58,31 @@ QWEN = [Shape("0.5B", 24, 896, 4864, 14, 2, tied=True), Shape("1.5B", 28, 1536, 
         Shape("14B", 48, 5120, 13824, 40, 8), Shape("32B", 64, 5120, 27648, 40, 8)]
 
 
-def activation_bytes(shape: Shape, tokens: int, w: int, checkpointing: bool) -> float:
-    per_layer = (12 * shape.hidden + 4 * shape.intermediate) * w * tokens
-    if checkpointing:
-        return shape.layers * shape.hidden * w * tokens + per_layer
-    return shape.layers * per_layer
-
-
 def peak_bytes(shape: Shape, fsdp: bool, ranks: int, checkpointing: bool, micro_batch: int, seq: int,
                rollout_seqs: int, w: int = 2, reference: bool = True, logprob_head: float = 0.8 * GB) -> float:
-    N = shape.params
+    N, tokens = shape.params, micro_batch * seq
     if fsdp:
         static = 16 * N / ranks + (4 * N / ranks if reference else 0)
         static += 2 * (shape.embedding_params + 2 * shape.layer_params)
     else:
         static = 4 * w * N + (w * N if ranks > 1 else 0) + (w * N if reference else 0)
     kv_cache = 2 * shape.layers * shape.kv_heads * shape.head_dim * seq * w * rollout_seqs / ranks
-    train = activation_bytes(shape, micro_batch * seq, w, checkpointing) + logprob_head
-    return static + max(kv_cache, train)
+    per_layer = (12 * shape.hidden + 4 * shape.intermediate) * w * tokens  # b s a: what autograd saves of a layer
+    activations = shape.layers * shape.hidden * w * tokens + per_layer if checkpointing else shape.layers * per_layer
+    return static + max(kv_cache, activations + logprob_head)
 
 
 def table(micro_batch: int, seq: int, rollout_seqs: int) -> None:
     print(f"grpo.py, bf16, reference model on; micro-batch {micro_batch} x {seq} tokens; "
           f"rollout {rollout_seqs} sequences over the ranks. Cell: peak GB per GPU on the fewest GPUs "
           "(1, 2, 4, 8) where it fits in 90% of the card, '-' if none")
-    columns = [(fsdp, ckpt) for fsdp in (False, True) for ckpt in (False, True)]
     for card in (80, 141):
         print(f"\n{card} GB cards")
-        print("| model | params | " + " | ".join(("FSDP" if f else "DDP") + (" + ckpt" if c else "")
-                                             for f, c in columns) + " |")
-        print("|---|---|" + "---|" * len(columns))
+        print("| model | params | DDP | DDP + ckpt | FSDP | FSDP + ckpt |")
+        print("|---|---|---|---|---|---|")
         for shape in QWEN:
             cells = []
-            for fsdp, ckpt in columns:
+            for fsdp, ckpt in [(False, False), (False, True), (True, False), (True, True)]:  # the header's order
                 cell = "-"
                 for ranks in ((2, 4, 8) if fsdp else (1,)):  # DDP replicates: more GPUs do not help memory
                     gb = peak_bytes(shape, fsdp, ranks, ckpt, micro_batch, seq, rollout_seqs) / GB
@@ -161,14 +142,11 @@ def check() -> None:
     for layers, hidden, intermediate, batch, seq in TINY:
         for ckpt in (False, True):
             sizes = map(str, (layers, hidden, intermediate, batch, seq, int(ckpt)))
-            out = subprocess.run([sys.executable, "-m", "benchmarks.memory_fit", "--one", *sizes],
-                                 cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True,
-                                 check=True).stdout
-            measured, predicted, params = out.split()[-3:]
-            ratio = float(predicted) / float(measured)
+            out = subprocess.run([sys.executable, "-m", "benchmarks.memory_fit", "--one", *sizes], capture_output=True,
+                                 cwd=Path(__file__).resolve().parent.parent, text=True, check=True).stdout
+            measured, predicted, params = map(float, out.split()[-3:])
             print(f"| {layers} x {hidden} x {intermediate} | {batch} x {seq} | {'yes' if ckpt else 'no'} | "
-                  f"{int(params) / 1e6:.1f}M | {float(measured):.3f} | {float(predicted):.3f} | {ratio:.2f} |",
-                  flush=True)
+                  f"{params / 1e6:.1f}M | {measured:.3f} | {predicted:.3f} | {predicted / measured:.2f} |", flush=True)
 
 
 @dataclass
@@ -181,7 +159,7 @@ class Args:
     """prompt + response tokens per sequence (table)"""
     rollout: int = 512
     """sequences sampled per step, all ranks (table)"""
-    one: Optional[tuple[int, int, int, int, int, int]] = None
+    one: tuple[int, int, int, int, int, int] | None = None
     """internal: LAYERS HIDDEN MLP BATCH SEQ CHECKPOINTING, one measurement, in the child process --check starts"""
 
 
