@@ -5,6 +5,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from conftest import ROOT, run
 
@@ -74,6 +75,62 @@ def test_learning_curves_summary_counts_steps_to_target():
     assert t["wall_to_target"] == format((2 * 1.5 + 3 * 1.5) / 2, ".0f")  # evaluation time left out
     assert t["completions_to_target"] == format((2 * 20 + 3 * 20) / 2, ".0f")  # 2 rounds of 10 per step
     assert t["final"] == "0.750 ± 0.071"
+
+
+def test_a_run_collapses_at_the_first_of_five_steps_below_five_percent_rollout_accuracy():
+    from benchmarks.learning_curves import collapse_step, summarize
+
+    def run(seed, accuracy):  # rollouts' accuracy per step; held-out accuracy at steps 0 and the last
+        return [{"config": "x", "seed": seed, "step": s, "correct": a, "eval_accuracy": 0.3 if s == 0 else
+                 (0.1 * seed if s == len(accuracy) - 1 else None), "eval_accuracy_greedy": 0.5, "wall_s": 0.0}
+                for s, a in enumerate(accuracy)]
+
+    falls = run(1, [0.3, 0.2, 0.06, 0.04, 0.04, 0.04, 0.04, 0.1])  # steps 2-6 average 0.044; steps 1-5 0.076
+    dips = run(2, [0.3, 0.0, 0.0, 0.0, 0.0, 0.3, 0.3, 0.3])  # four steps at 0, then back: no five in a row
+    assert collapse_step(falls) == 2 and collapse_step(dips) is None
+    (t,) = summarize(falls + dips, target=0.9)
+    assert t["collapsed"] == "1/2 (2)"
+    assert t["gain"] == "-0.150 ± 0.071"  # 0.1 - 0.3 and 0.2 - 0.3
+
+
+def test_dapo_without_its_changes_as_the_lab_runs_it():
+    """The lab's ablations of dapo.py (docs/lab.md, claim 15): without the token-level loss its loss is grpo.py's
+    (the mean over each completion's tokens, then over completions; DAPO arXiv:2503.14476 Eq. 12 against GRPO's
+    Eq. 3) at grpo's clip and beta 0, in value and gradient, with dapo's metrics; without dynamic sampling every group
+    is kept, those whose completions are all right or all wrong too."""
+    import dapo
+    import grpo
+    from benchmarks.learning_curves import keep_all_groups, sequence_mean
+
+    torch.manual_seed(0)
+    logprobs = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    old, advantages = logprobs.detach() + 0.3 * torch.randn(6, 5, dtype=torch.float64), torch.randn(6).double()
+    mask = torch.tensor([[1.0] * n + [0.0] * (5 - n) for n in (1, 2, 3, 4, 5, 5)], dtype=torch.float64)
+    loss, metrics = sequence_mean(dapo.compute_loss)(logprobs, old, advantages, mask, mask.sum(), 0.2, 0.2)
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    want = grpo.compute_loss(logprobs, old, None, advantages, mask, 6, 0.2, 0.0)[0]
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, torch.autograd.grad(want, logprobs)[0], rtol=1e-12, atol=1e-12)
+    token_mean = dapo.compute_loss(logprobs, old, advantages, mask, mask.sum(), 0.2, 0.2)
+    assert metrics.keys() == token_mean[1].keys() and not torch.isclose(loss, token_mean[0])
+    correct = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0])  # groups of 2: all right, mixed, all wrong
+    assert dapo.filter_groups(correct, 2).tolist() == [False, True, False]
+    assert keep_all_groups(dapo.filter_groups)(correct, 2).tolist() == [True, True, True]
+
+
+def test_learning_curves_run_changes_and_rates_side_by_side(tmp_path):
+    """A +change and --rates run as named in the CSV, --jobs 2 at a time, the rows in the order asked."""
+    out = tmp_path / "changes.csv"
+    result = run(["-m", "benchmarks.learning_curves", "--configs", "dapo +keep-all-groups", "--rates", "1e-4",
+                  "--jobs", "2", "--seeds", "1", "2", "--steps", "1", "--eval-every", "1", "--out", str(out),
+                  "--extra=--eval-size 4 --prompts-per-step 2 --group-size 4"], cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    from benchmarks.learning_curves import read_csv
+
+    rows = read_csv(out)
+    assert [(r["config"], r["seed"]) for r in rows] == [("dapo +keep-all-groups --learning-rate 1e-4", seed)
+                                                        for seed in (1, 1, 2, 2)]
+    assert [r["kept_groups_frac"] for r in rows[::2]] == [1.0, 1.0]  # every group trained
 
 
 def test_learning_curves_on_the_chain_task_write_the_lab_columns_and_table(tmp_path):
