@@ -322,7 +322,8 @@ def main(args: Args) -> None:
         window = max(1, min(10, args.steps // 3))  # 10 steps on the chain task, 4 on guess
         print(f"\nEach rollout metric over the first and the last {window} steps (mean over seeds [min, max]):\n"
               f"{lab_table(rows, LAB[args.task], window)}")
-        panels = PANELS + [("step", key, key.replace("_", " ")) for key in LAB[args.task]]
+        panels = PANELS + [("step", key, key.replace("_", " ")) for key in LAB[args.task]  # those some run logs
+                           if any(row.get(key) is not None for row in rows)]
     png, seeds = args.out.with_suffix(".png"), " ".join(map(str, args.seeds))
     title = f"{len(args.configs)} configurations on the {args.task} task, seeds {seeds}; mean and min-max over seeds"
     print(f"plot: {png}" if plot(rows, png, f"{title}; plotted {time.strftime('%Y-%m-%d')}", panels) else
