@@ -122,7 +122,6 @@ def read_csv(path: Path) -> list[dict]:
     def parse(key: str, value: str):  # 'nan' is a float too
         return value if key == "config" else None if value == "" else \
             int(value) if key in ("seed", "step", "completions") else float(value)
-
     with open(path, newline="") as f:
         return [{k: parse(k, v) for k, v in row.items()} for row in csv.DictReader(f)]
 
@@ -214,16 +213,19 @@ def plot(rows: list[dict], path: Path, title: str, panels: list[tuple[str, str, 
     columns = min(len(panels), 4)
     rows_of_panels = -(-len(panels) // columns)
     fig, axes = plt.subplots(rows_of_panels, columns, figsize=(4.5 * columns, 4 * rows_of_panels), squeeze=False)
-    configs = list(dict.fromkeys(row["config"] for row in rows))  # a config keeps its colour in every panel
+    def split(config: str) -> tuple[str, str]:  # a config keeps its colour in every panel, a rate its line style
+        return config.partition(" --learning-rate ")[::2]
+
+    bases, rates = (list(dict.fromkeys(split(row["config"])[i] for row in rows)) for i in (0, 1))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (x_key, y_key, y_label) in zip(axes.flat, panels):
         for config, seeds in curves(rows, y_key).items():
-            k = configs.index(config)
+            k, rate = bases.index(split(config)[0]), rates.index(split(config)[1])
             runs = [{row["step"]: row for row in run} for run in seeds.values()]
             steps = sorted(set.intersection(*(set(run) for run in runs)))
             x = [statistics.mean(run[s][x_key] for run in runs) for s in steps]  # completions differ by seed
             ys = [[run[s][y_key] for run in runs] for s in steps]
-            colour, style = colours[k % len(colours)], ["-", "--", ":"][k // len(colours) % 3]
+            colour, style = colours[k % len(colours)], ["-", "--", ":", "-."][(rate + k // len(colours)) % 4]
             ax.plot(x, [statistics.mean(y) for y in ys], color=colour, linestyle=style,
                     label=f"{config} ({len(runs)} seeds)")
             ax.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=colour, alpha=0.15)
