@@ -65,9 +65,9 @@ def keep_all_groups(filter_groups):  # dapo.py without dynamic sampling: every g
 
 
 def sequence_mean(compute_loss):
-    """dapo.py without the token-level loss: the mean over each completion's tokens, then over the completions (as
-    grpo.py's). The micro-batch's rows are the optimizer step's, as in these runs: one rank, no --micro-batch-size."""
-    def loss(logprobs, old_logprobs, advantages, mask, num_tokens, *clip):
+    """dapo.py without the token-level loss: each completion's token mean, then the mean over completions (grpo's)"""
+    def loss(logprobs, old_logprobs, advantages, mask, num_tokens, *clip):  # len(mask) below: the step's completions
+        assert mask.sum() == num_tokens, "+sequence-mean: the step in one micro-batch (one rank, no --micro-batch-*)"
         per_completion = mask / mask.sum(-1, keepdim=True).clamp(min=1)  # each completion's tokens weigh 1 in all
         metrics = compute_loss(logprobs, old_logprobs, advantages, mask, num_tokens, *clip)[1]  # logged as dapo's
         return compute_loss(logprobs, old_logprobs, advantages, per_completion, len(mask), *clip)[0], metrics

@@ -113,6 +113,8 @@ def test_dapo_without_its_changes_as_the_lab_runs_it():
     torch.testing.assert_close(grad, torch.autograd.grad(want, logprobs)[0], rtol=1e-12, atol=1e-12)
     token_mean = dapo.compute_loss(logprobs, old, advantages, mask, mask.sum(), 0.2, 0.2)
     assert metrics.keys() == token_mean[1].keys() and not torch.isclose(loss, token_mean[0])
+    with pytest.raises(AssertionError, match="one micro-batch"):  # a micro-batch of a larger step: len(mask) is wrong
+        sequence_mean(dapo.compute_loss)(logprobs, old, advantages, mask, 2 * mask.sum(), 0.2, 0.2)
     correct = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0])  # groups of 2: all right, mixed, all wrong
     assert dapo.filter_groups(correct, 2).tolist() == [False, True, False]
     assert keep_all_groups(dapo.filter_groups)(correct, 2).tolist() == [True, True, True]
