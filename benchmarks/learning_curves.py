@@ -17,8 +17,8 @@ flags (`TASKS`): the same rollouts per step for every file, but for DAPO's extra
 rows (config, seed, step): `wall_s`, the training seconds so far (without evaluation); `eval_accuracy`,
 `eval_accuracy_greedy` after `step` steps (empty between evaluations); `reward_mean` and the rest (`ROLLOUT`,
 docs/metrics.md), of that step's rollout. Each finished run is appended at once and runs already there are skipped:
-an interrupted benchmark goes on where it stopped. --jobs N runs N at a time on cores/N threads each (sums round
-otherwise with another thread count: the same digits need the same --jobs and cores). The plot needs matplotlib."""
+an interrupted benchmark goes on where it stopped. --jobs N runs N at a time on cores/N threads each; a run on one
+thread gives the same digits again, on more the math library may take fewer when busy. The plot needs matplotlib."""
 import csv
 import importlib
 import json
