@@ -50,21 +50,17 @@ from common import (
     all_reduce,
     cat_rollouts,
     check_flags,
-    claim_run_dir,
     cleanup_distributed,
     cli,
-    clip_grad_norm,
     evaluate,
     format_prompt,
     generate,
     get_logprobs,
-    load_checkpoint,
     load_model,
     load_task,
     load_vllm,
     micro_batches,
     no_sync,
-    prepare_run_dir,
     print0,
     prompt_batch,
     require,
@@ -72,7 +68,6 @@ from common import (
     rollout_logprobs,
     rollout_weights,
     sampler_logprob_gap,
-    save_checkpoint,
     score,
     select_rows,
     setup_distributed,
@@ -80,6 +75,7 @@ from common import (
     step_metrics,
     timed,
 )
+from harness import claim_run_dir, clip_grad_norm, load_checkpoint, prepare_run_dir, save_checkpoint
 
 # ---------------------------------------------------------------------------------------------
 # 1. Config

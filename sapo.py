@@ -54,22 +54,18 @@ from common import (
     add_metrics,
     all_reduce,
     check_flags,
-    claim_run_dir,
     cleanup_distributed,
     cli,
-    clip_grad_norm,
     evaluate,
     format_prompt,
     generate,
     get_logprobs,
-    load_checkpoint,
     load_model,
     load_reference,
     load_task,
     load_vllm,
     micro_batches,
     no_sync,
-    prepare_run_dir,
     print0,
     prompt_batch,
     require,
@@ -77,13 +73,13 @@ from common import (
     rollout_logprobs,
     rollout_weights,
     sampler_logprob_gap,
-    save_checkpoint,
     score,
     setup_distributed,
     shard_model,
     step_metrics,
     timed,
 )
+from harness import claim_run_dir, clip_grad_norm, load_checkpoint, prepare_run_dir, save_checkpoint
 
 # ---------------------------------------------------------------------------------------------
 # 1. Config

@@ -17,7 +17,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import (  # noqa: E402
     DEFAULT_MODEL,
     cleanup_distributed,
-    clip_grad_norm,
     format_prompt,
     generate,
     get_logprobs,
@@ -27,6 +26,7 @@ from common import (  # noqa: E402
     shard_model,
     unwrap,
 )
+from harness import clip_grad_norm  # noqa: E402
 
 PROMPTS = [["1+2", "1+2", "45+67", "45+67"], ["1+2", "45+67", "9+99", "23+5"]]  # rank 0 shares, rank 1 does not
 

@@ -18,6 +18,7 @@ import pytest
 
 import common
 import grpo
+import harness
 from common import UsageError, cli
 from conftest import ROOT, default_sigint, read_metrics, run
 
@@ -341,7 +342,7 @@ def resume(tmp_path: Path, checkpoint: str = "latest", *more: str, steps: int = 
 
 
 def a_shard(checkpoint: Path) -> Path:
-    return sorted((checkpoint / common.TRAINING_STATE).glob("*.safetensors"))[0]
+    return sorted((checkpoint / harness.TRAINING_STATE).glob("*.safetensors"))[0]
 
 
 @pytest.mark.parametrize("damage", ["empty", "raw pickle"])
@@ -465,7 +466,7 @@ def test_a_reward_fn_that_exits_stops_the_run_as_a_failure(tmp_path):
 
 def test_control_characters_in_a_checkpoints_flags_are_printed_escaped(tmp_path, finished_run, capsys):
     run_dir = copy_run(finished_run, tmp_path)
-    info_file = run_dir / "step_6" / common.CHECKPOINT_INFO
+    info_file = run_dir / "step_6" / harness.CHECKPOINT_INFO
     info = json.loads(info_file.read_text())
     info["config"]["dataset_config"] = "\x1b[2J\x1b[31mall clear"
     info_file.write_text(json.dumps(info))

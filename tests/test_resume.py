@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 import common
 import grpo
+import harness
 from common import UsageError
 from conftest import ALGORITHMS, ROOT, default_sigint, read_metrics, run
 
@@ -290,7 +291,7 @@ def test_resuming_an_earlier_checkpoint_starts_a_new_run_folder(tmp_path):
     new = [p for p in tmp_path.iterdir() if p.name != "run"]
     assert len(new) == 1 and (new[0] / "final").is_dir(), new
     assert [m["step"] for m in read_metrics(new[0])] == [0, 1, 2]
-    assert common.latest_checkpoint(tmp_path / "run") == tmp_path / "run" / "step_6"
+    assert harness.latest_checkpoint(tmp_path / "run") == tmp_path / "run" / "step_6"
 
 
 def test_a_checkpoint_named_by_a_relative_path_continues_its_run(tmp_path, monkeypatch):
@@ -458,7 +459,7 @@ def test_a_write_error_on_one_rank_stops_every_rank(tmp_path):
     assert result.returncode != 0  # rank 1 stops with the OS's error, and torchrun stops rank 0
     assert "No space left on device: " in result.stderr and "rank_1.safetensors" in result.stderr
     assert [p.name for p in (tmp_path / "full").glob("step_*") if p.is_dir() and p.suffix != ".tmp"] == ["step_2"]
-    assert common.latest_checkpoint(tmp_path / "full") == tmp_path / "full" / "step_2"
+    assert harness.latest_checkpoint(tmp_path / "full") == tmp_path / "full" / "step_2"
 
 
 def test_a_resume_past_num_steps_stops_naming_the_checkpoints_step(tmp_path):
@@ -474,11 +475,11 @@ def test_final_records_its_step_and_a_resume_says_where_it_resumed_from(tmp_path
     import json
 
     grpo.main(small_run(tmp_path, "r", num_steps=4))
-    assert json.loads((tmp_path / "r" / "final" / common.CHECKPOINT_INFO).read_text())["step"] == 4
+    assert json.loads((tmp_path / "r" / "final" / harness.CHECKPOINT_INFO).read_text())["step"] == 4
     capsys.readouterr()
     grpo.main(small_run(tmp_path, "r", num_steps=6, resume="latest"))
     assert f"resumed from {tmp_path / 'r' / 'step_4'}" in capsys.readouterr().out
-    assert json.loads((tmp_path / "r" / "final" / common.CHECKPOINT_INFO).read_text())["step"] == 6
+    assert json.loads((tmp_path / "r" / "final" / harness.CHECKPOINT_INFO).read_text())["step"] == 6
 
 
 def test_keep_checkpoints_prunes_the_older_ones(tmp_path):
