@@ -108,8 +108,13 @@ class ExperimentFlags:
 class ModelAndDataFlags:
     model: Optional[str] = None
     """Hugging Face model name or local folder; left out: the bundled tiny model of --task"""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """weights dtype; auto = float32 on CPU, bfloat16 on GPU (log-probs are always computed in float32)"""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """compute dtype; auto = float32 on CPU, bfloat16 on GPU. What the optimizer trains is held in float32 whatever it
+    is (bf16 weights round updates of ~1e-6 away), what is frozen (the reference, a LoRA base) in it; final/ is saved
+    in the checkpoint's own dtype; the log-softmax of the log-probs is float32"""
+    lm_head_fp32: bool = False
+    """compute the LM head in float32 on a bfloat16 model, for the log-probs and for sampling (model.generate and
+    vLLM alike): logits not rounded to bf16, a smaller sampler gap, for a float32 matmul over the vocabulary"""
     dataset: Optional[str] = None
     """training data: a JSONL file, a Hugging Face dataset name, or a JSON/Parquet/CSV file or dataset folder
     (needs `pip install datasets`); left out: the built-in --task"""
@@ -237,6 +242,7 @@ class Args(AlgorithmFlags, OptimizationFlags, RolloutFlags, ModelAndDataFlags, E
     local_prompts_per_step: tyro.conf.Suppress[int] = 0
     local_batch_size: tyro.conf.Suppress[int] = 0
     minibatch_size: tyro.conf.Suppress[int] = 0
+    max_sequence_length: tyro.conf.Suppress[int] = 0  # the longest prompt + --max-new-tokens (load_task)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,10 +319,11 @@ def main(args: Args) -> None:
 
     # Seeded alike on every rank while loading (new weights, e.g. LoRA's, are the same), then by rank (own samples).
     torch.manual_seed(args.seed)
-    policy = load_model(args.model, args.dtype, device, tokenizer, gradient_checkpointing=args.gradient_checkpointing)
+    policy = load_model(args.model, args.dtype, device, tokenizer, gradient_checkpointing=args.gradient_checkpointing,
+                        trained=args.lora_rank == 0, sharded=args.fsdp, lm_head_fp32=args.lm_head_fp32)
     policy = add_lora(policy, args.lora_rank, args.lora_alpha, args.lora_targets)  # as it is with --lora-rank 0
     if args.fsdp:  # sharded in place; FSDP2 averages gradients over ranks, as DDP does
-        shard_model(policy, device)
+        shard_model(policy, device, args.dtype)
     torch.manual_seed(args.seed + rank)
     # --- algorithm: what the optimizer trains: the policy ---
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,

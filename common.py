@@ -4,7 +4,8 @@ file.
 
 1. Flags: `cli`, `check_flags`, `require`, `need`, `UsageError` (bad input: one line naming the flag and the fix)
 2. Distributed: `setup_distributed`, `cleanup_distributed`, `print0`, `all_reduce`, `no_sync`
-3. Models: `load_tokenizer`, `load_model` (any causal LM, dropout off), `add_lora`, `load_reference`, `shard_model`
+3. Models: `load_tokenizer`, `load_model` (any causal LM, dropout off; fp32 weights for what trains, --dtype compute),
+   `add_lora`, `load_reference`, `shard_model` (FSDP2, from rank 0's weights), `plain_weights` (one tensor at a time)
 4. Data: `load_task` (built-in tasks, JSONL, `datasets`; text or chat prompts that fit), `format_prompt`, `prompt_batch`
 5. Rewards and evaluation: `score` (correctness, exact or by math-verify; format; a user's function), `evaluate`
 6. Generation and log-probs: `Rollout`, `generate` (or vllm_engine.py's engine), `run_episodes` (--env), `micro_batches`
@@ -38,6 +39,7 @@ from typing import Annotated
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict as dcp_state
 import torch.nn.functional as F
 import transformers
 import tyro
@@ -257,51 +259,103 @@ def load_tokenizer(name: str, flag: str = "--model"):
     return tokenizer
 
 
+def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """--dtype as a torch dtype: auto is bfloat16 on a GPU, float32 on the CPU."""
+    return getattr(torch, ("bfloat16" if device.type == "cuda" else "float32") if dtype == "auto" else dtype)
+
+
 def load_model(name: str, dtype: str, device: torch.device, tokenizer, auto_class=AutoModelForCausalLM,
-               gradient_checkpointing: bool = False):
-    """Any causal LM (or its backbone: AutoModel) in `dtype` (auto: fp32 on CPU, bf16 on GPU), dropout off (log-probs
-    must be a function of the weights, also in train mode); ready for gradient checkpointing."""
-    dtype = ("bfloat16" if device.type == "cuda" else "float32") if dtype == "auto" else dtype
+               gradient_checkpointing: bool = False, trained: bool = True, sharded: bool = False,
+               lm_head_fp32: bool = False):
+    """Any causal LM (or its backbone: AutoModel) computing in `dtype` (auto: bf16 on GPU, fp32 on CPU), dropout off
+    (log-probs must be a function of the weights, also in train mode); ready for gradient checkpointing. What the
+    optimizer will train (`trained`) is held in fp32 whatever `dtype`: Adam's step is about the learning rate, 1e-6,
+    and a bf16 weight of 0.02 moves in steps of 6e-5, so bf16 weights round such updates away; frozen weights (the
+    reference, a LoRA base) are held in `dtype`. `sharded` (--fsdp): rank 0 reads the weights into host memory, the
+    other ranks build the model on the meta device, and `shard_model` gives each GPU its shards of rank 0's."""
+    compute = compute_dtype(dtype, device)
     config = AutoConfig.from_pretrained(name, trust_remote_code=False)
     for sub in [config, *(v for v in vars(config).values() if isinstance(v, transformers.PretrainedConfig))]:
         for key in [k for k, v in vars(sub).items() if "drop" in k and isinstance(v, float)]:
             setattr(sub, key, 0.0)  # attention_dropout, resid_pdrop, layerdrop, ...
-    model = auto_class.from_pretrained(name, config=config, dtype=getattr(torch, dtype), trust_remote_code=False)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    where = ("meta" if rank > 0 else "cpu") if sharded else device  # sharded: only rank 0 reads the weights
+    model = auto_class.from_pretrained(name, config=config, dtype=torch.float32 if trained else compute,
+                                       device_map=where, trust_remote_code=False)
     model.config.pad_token_id = tokenizer.pad_token_id
     for dropout in [m for m in model.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd)]:
         dropout.p = 0.0  # also the modules built with a rate of their own, not the config's
-    model = model.to(device)
-    if model.get_output_embeddings() is not None:
-        check_output_logits(model, name)
+    head = model.get_output_embeddings()
+    model.compute_dtype = compute  # (read by sample_hf, and by peft's wrapper through its attributes)
+    if compute != torch.float32:  # fp32 (or frozen) weights, the matmuls in `dtype`: as accelerate's mixed precision
+        model.forward = autocast(model.forward, device, compute)
+    if head is not None and compute != torch.float32:  # also where get_logprobs calls it, after the forward
+        head.forward = fp32_linear(head) if lm_head_fp32 else autocast(head.forward, device, compute)
+    if head is not None and not sharded:  # (sharded: `shard_model` checks it, once the weights are in)
+        check_output_logits(model)
     if gradient_checkpointing:  # transformers recomputes in train mode only; dropout is off: nothing else changes
         getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)({"use_reentrant": False})
         model.train()
     return model
 
 
+def autocast(forward, device: torch.device, dtype: torch.dtype):
+    """`forward` under torch.autocast(dtype): weights as held (fp32 for what trains), each matmul's inputs cast to
+    `dtype` and its output in `dtype`; what autocast keeps in fp32 (softmax, norms' statistics) stays so."""
+    @functools.wraps(forward)  # (its signature too: generate reads which arguments forward takes)
+    def forward_in_dtype(*args, **kwargs):
+        with torch.autocast(device.type, dtype=dtype):
+            return forward(*args, **kwargs)
+    return forward_in_dtype
+
+
+def fp32_linear(head: torch.nn.Linear):
+    """The LM head's forward as an fp32 matmul (--lm-head-fp32): its logits are not rounded to bf16 before the
+    log-softmax (a logit of 10 to within 0.03), for the log-probs and for sampling alike; a bf16 weight (a frozen
+    model's, or FSDP's gathered copy) is upcast at each call."""
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            bias = None if head.bias is None else head.bias.float()
+            return F.linear(hidden.float(), head.weight.float(), bias)
+    return forward
+
+
 @torch.no_grad()
-def check_output_logits(model, name: str) -> None:
-    """Stop unless `output_logits` (get_logprobs' head) gives the model's logits (1e-4 of the largest; 16-bit: 2e-2)."""
+def check_output_logits(model) -> None:
+    """Stop unless `output_logits` (get_logprobs' head) gives the model's logits (1e-4 of the largest; bf16's: 2e-2)."""
     ids = torch.arange(8, device=model.device)[None] % model.config.get_text_config().vocab_size
-    out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
-    theirs, ours = out.logits.float(), output_logits(model, out.hidden_states[-1]).float()
+    out, hidden = forward_last_hidden(model, input_ids=ids, use_cache=False)
+    theirs, ours = out.logits.float(), output_logits(model, hidden).float()
     difference = (ours - theirs).abs().max()
-    if not difference <= (1e-4 if model.dtype == torch.float32 else 2e-2) * theirs.abs().max().clamp(min=1):
-        raise UsageError(f"--model {name!r}: its forward changes the LM head's logits, unlike get_logprobs (largest "
-                         f"difference {difference.item():.3g}). Supported: a plain LM head, final_logit_softcapping, "
-                         "logit_scale, logits_scaling; add its transform to common.output_logits.")
+    if not difference <= (1e-4 if out.logits.dtype == torch.float32 else 2e-2) * theirs.abs().max().clamp(min=1):
+        raise UsageError(f"--model {model.config.name_or_path!r}: its forward changes the LM head's logits, unlike "
+                         f"get_logprobs (largest difference {difference.item():.3g}). Supported: a plain LM head, "
+                         "final_logit_softcapping, logit_scale, logits_scaling; add its transform to "
+                         "common.output_logits.")
 
 
-def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """FSDP2 in place: each decoder layer (`_no_split_modules`), then the rest; on GPU fp32 weights, bf16 compute."""
-    mp = MixedPrecisionPolicy()
-    if device.type == "cuda":
-        model.float()
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+def shard_model(model: torch.nn.Module, device: torch.device, dtype: str = "auto") -> torch.nn.Module:
+    """FSDP2 in place: each decoder layer (`_no_split_modules`), then the rest; the shards as held (fp32 for what
+    trains), gathered in `dtype` for the compute (bf16 on GPU: half the bytes of fp32 shards), gradients reduced in
+    fp32. Each GPU gets only its shards: rank 0's weights (from host memory, `load_model(sharded=True)`) are sent one
+    tensor at a time into every rank's shards, the other ranks' meta tensors given memory first."""
+    compute = compute_dtype(dtype, device)
+    mp = MixedPrecisionPolicy(param_dtype=None if compute == torch.float32 else compute, reduce_dtype=torch.float32)
+    full = model.state_dict() if dist.get_rank() == 0 else {}  # rank 0's weights, where they were loaded
     layer_classes = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or ()}
     for module in [m for m in model.modules() if type(m).__name__ in layer_classes]:
         fully_shard(module, mp_policy=mp)
-    return fully_shard(model, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    if dist.get_rank() > 0:
+        model.to_empty(device=device)  # memory for its shards and buffers, filled in below
+    options = dcp_state.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    dcp_state.set_model_state_dict(model, full, options=options)
+    for buffer in model.buffers():  # what the state dict leaves out (rotary frequencies)
+        dist.broadcast(buffer, src=0)
+    if getattr(model, "get_output_embeddings", lambda: None)() is not None:  # (not ppo's critic)
+        check_output_logits(model)
+        model.reshard()  # the root's shards registered again (a forward leaves them gathered), for the optimizer
+    return model
 
 
 def add_lora(model, rank: int, alpha: float, targets: str):
@@ -334,20 +388,29 @@ def load_reference(args, policy, tokenizer, device: torch.device):
         adapters_off.module = unwrap(policy)  # what `unwrap` returns
         return adapters_off
     torch.manual_seed(args.seed)
-    reference = load_model(args.model, args.dtype, device, tokenizer).eval().requires_grad_(False)
-    return shard_model(reference, device) if args.fsdp else reference
+    reference = load_model(args.model, args.dtype, device, tokenizer, trained=False, sharded=args.fsdp,
+                           lm_head_fp32=args.lm_head_fp32).eval().requires_grad_(False)
+    return shard_model(reference, device, args.dtype) if args.fsdp else reference
 
 
-def plain_weights(model, state: dict | None = None):
-    """(name, tensor) of the weights as transformers names them, one at a time (FSDP: gathered; LoRA: merged)."""
+def plain_weights(model, dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+    """(name, tensor) of the weights as transformers names them, one at a time, in `dtype` on `device` (left out: as
+    held); under FSDP each gathered whole in turn (collective: every rank iterates), LoRA's merged (W + scale B A)."""
     peft_model = unwrap(model)
-    state = peft_model.state_dict() if state is None else state
+    state = peft_model.state_dict()
     for key in [key for key in state if ".lora_" not in key]:  # the adapters go into their base weights
         value, layer = whole(state[key]), key.rsplit(".base_layer.", 1)[0]
         if key.endswith(".base_layer.weight") and f"{layer}.lora_A.default.weight" in state:
             a, b = (whole(state[f"{layer}.lora_{x}.default.weight"]) for x in "AB")
             value = value + peft_model.get_submodule(layer).scaling["default"] * b @ a
-        yield key.removeprefix("base_model.model.").replace(".base_layer.", "."), value
+        name = key.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        yield name, value.to(device=device or value.device, dtype=dtype or value.dtype)
+
+
+def checkpoint_dtype(name: str) -> torch.dtype:
+    """The dtype `name`'s checkpoint holds its weights in (its config's; fp32 where it names none): final/'s."""
+    dtype = AutoConfig.from_pretrained(name, trust_remote_code=False).dtype
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype or torch.float32
 
 
 def model_positions(name: str) -> int | None:
@@ -502,7 +565,9 @@ def load_task(args) -> tuple:
     reward_fn = load_object(args.reward_fn, "--reward-fn", "function") if args.reward_fn else None
     if reward_fn:  # fn(prompts, completions, answers) -> a float each: tried now, two rows' answers as completions
         call_reward_fn(reward_fn, args.reward_fn, *([e[k] for e in train[:2]] for k in ("prompt", "answer", "answer")))
-    train, held_out, limit = fit_prompts(train, held_out, tokenizer, args)
+    train, held_out, limit, longest = fit_prompts(train, held_out, tokenizer, args)
+    first = limit[0] if args.env else longest  # an episode's first message is any that fits
+    args.max_sequence_length = int(first + args.max_new_tokens) if math.isfinite(first) else 0  # 0: the model's
     env = MultiTurn(load_object(args.env, "--env", "class"), args.env, args.max_turns, args.chat_template, limit) \
         if args.env else None
     if env and isinstance(env.env_class, type):  # a function's environments: checked as it makes them
@@ -511,9 +576,10 @@ def load_task(args) -> tuple:
     return tokenizer, train, held_out, args.dataset is None, reward_fn, env
 
 
-def fit_prompts(train: list[dict], held_out: list[dict], tokenizer, args) -> tuple[list[dict], list[dict], tuple]:
+def fit_prompts(train: list[dict], held_out: list[dict], tokenizer, args) -> tuple[list, list, tuple, int]:
     """The examples whose formatted prompt is not empty, has at most --max-prompt-length tokens and leaves room for
-    --max-new-tokens in the model's positions (else a crash, or untrained positions), and that limit (tokens, why)."""
+    --max-new-tokens in the model's positions (else a crash, or untrained positions), that limit (tokens, why) and the
+    longest prompt kept (tokens)."""
     positions = model_positions(args.model)
     limit = min(args.max_prompt_length or math.inf, positions - args.max_new_tokens if positions else math.inf)
     if limit < 1:
@@ -521,7 +587,7 @@ def fit_prompts(train: list[dict], held_out: list[dict], tokenizer, args) -> tup
                          f"{positions} positions. Lower --max-new-tokens.")
     why = f"longer than --max-prompt-length {limit} tokens" if limit == args.max_prompt_length else \
         f"longer than {limit} tokens (the model takes {positions} positions, --max-new-tokens of them)"
-    fitted = []
+    fitted, longest = [], 0
     for examples, what in ((train, "training data"), (held_out, "held-out data")):
         texts = [format_prompt(tokenizer, e["prompt"], args.chat_template) for e in examples]
         once = list(dict.fromkeys(texts))  # each text tokenized once: DAPO-Math-17k repeats each of its problems
@@ -531,13 +597,14 @@ def fit_prompts(train: list[dict], held_out: list[dict], tokenizer, args) -> tup
             raise UsageError(f"--model {args.model}: its tokenizer cannot encode the {what} ({e}). Pass a --model "
                              "whose tokenizer covers your data.") from None
         fitted.append([e for e, text in zip(examples, texts) if 0 < lengths[text] <= limit])
+        longest = max([longest, *(n for n in lengths.values() if n <= limit)])
         if examples and not fitted[-1]:
             raise UsageError(f"{what}: all {len(examples)} prompts are empty or {why}. Raise --max-prompt-length, "
                              "or lower --max-new-tokens.")
         if len(fitted[-1]) < len(examples):
             print0(f"{what}: dropped {len(examples) - len(fitted[-1])} of {len(examples)} prompts that are empty or "
                    f"{why}")
-    return fitted[0], fitted[1], (limit, why)
+    return fitted[0], fitted[1], (limit, why), longest
 
 
 def format_prompt(tokenizer, prompt: str | list[dict], chat_template: bool) -> str:
@@ -805,20 +872,24 @@ def sample_hf(model, tokenizer, ids: list[list[int]], group_size: int, max_new_t
     sampler = Sampler(temperature)
     synced = dist.is_initialized() and isinstance(unwrap(model), FSDPModule)  # FSDP: a rank done keeps stepping
     checkpoint_config, model.generation_config = model.generation_config, config
+    # One autocast region around the whole generation: fp32 weights are cast to bf16 once, not again at each token's
+    # forward (autocast keeps its casts until its outermost region ends)
+    dtype = getattr(unwrap(model), "compute_dtype", torch.float32)
     try:
-        cache = None  # each prompt's keys and values but its last token's, computed once for its group's rows
-        if on_every_rank(model, group_size > 1 and enc.input_ids.shape[1] > 1, model.device):
-            prefix, mask = enc.input_ids[:, :-1], enc.attention_mask[:, :-1]
-            kv = getattr(model(input_ids=prefix, attention_mask=mask, position_ids=position_ids(mask), use_cache=True,
-                               logits_to_keep=1), CACHE)
-            if plain_cache(kv, prefix.shape[1]):  # else each row runs its prompt (linear attention, checkpointing)
-                kv.batch_repeat_interleave(group_size)
-                cache = kv
-        elif synced and is_lora(model):  # peft's generate skips its root's FSDP hooks: a root forward first gathers it
-            model(input_ids=prompt_ids[:1, :1])
-        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
-                             logits_processor=None if greedy else [sampler], synced_gpus=synced,
-                             tokenizer=tokenizer if stop else None, **{CACHE: cache})
+        with torch.autocast(model.device.type, dtype=dtype, enabled=dtype != torch.float32):
+            cache = None  # each prompt's keys and values but its last token's, computed once for its group's rows
+            if on_every_rank(model, group_size > 1 and enc.input_ids.shape[1] > 1, model.device):
+                prefix, mask = enc.input_ids[:, :-1], enc.attention_mask[:, :-1]
+                kv = getattr(model(input_ids=prefix, attention_mask=mask, position_ids=position_ids(mask),
+                                   use_cache=True, logits_to_keep=1), CACHE)
+                if plain_cache(kv, prefix.shape[1]):  # else each row runs its prompt (linear attention, checkpointing)
+                    kv.batch_repeat_interleave(group_size)
+                    cache = kv
+            elif synced and is_lora(model):  # peft's generate skips its root's FSDP hooks: a root forward
+                model(input_ids=prompt_ids[:1, :1])  # gathers it first
+            out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
+                                 logits_processor=None if greedy else [sampler], synced_gpus=synced,
+                                 tokenizer=tokenizer if stop else None, **{CACHE: cache})
     finally:
         model.generation_config = checkpoint_config
     responses = out[:, prompt_ids.shape[1]:].tolist()  # (B, L), padded after EOS
@@ -991,7 +1062,8 @@ def load_vllm(args, rank: int, optimizer):
         from vllm_engine import VllmEngine
     except ModuleNotFoundError:
         raise UsageError("--vllm needs vllm_engine.py, beside common.py: copy it too.") from None
-    return VllmEngine(args.model, args.dtype, args.seed + rank, optimizer, args.vllm_gpu_memory, args.vllm_keep_weights)
+    return VllmEngine(args.model, args.dtype, args.seed + rank, optimizer, args.vllm_gpu_memory, args.vllm_keep_weights,
+                      args.max_sequence_length or None, args.lm_head_fp32)
 
 
 def plain_cache(cache, length: int) -> bool:
@@ -1035,16 +1107,30 @@ def response_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch
         hf_model, "is_activation_checkpointing") else hf_model.is_gradient_checkpointing)  # transformers < 5.20
     if on_every_rank(model, len(prompts) < len(input_ids) and not checkpointed, input_ids.device):
         prompt_ids, prompt_mask = prompts[:, :P], prompts[:, P:]
-        first = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
-                      use_cache=True, output_hidden_states=True, **forward_kwargs)
+        first, first_hidden = forward_last_hidden(model, input_ids=prompt_ids, attention_mask=prompt_mask,
+                                                  position_ids=position_ids(prompt_mask), use_cache=True,
+                                                  **forward_kwargs)
         if plain_cache(cache := getattr(first, CACHE), P):
             cache.batch_select_indices(row_prompt)  # each row's prompt keys and values; gradients add up over rows
-            rest = model(input_ids=input_ids[:, P:], attention_mask=attention_mask, use_cache=True, **{CACHE: cache},
-                         position_ids=position_ids(attention_mask)[:, P:], output_hidden_states=True, **forward_kwargs)
-            return F.pad(torch.cat([first.hidden_states[-1][row_prompt, -1:], rest.hidden_states[-1][:, :-1]], 1), cut)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-                use_cache=False, output_hidden_states=True, **forward_kwargs)
-    return F.pad(out.hidden_states[-1][:, P - 1 : -1], cut)
+            _, rest_hidden = forward_last_hidden(model, input_ids=input_ids[:, P:], attention_mask=attention_mask,
+                                                 position_ids=position_ids(attention_mask)[:, P:], use_cache=True,
+                                                 **{CACHE: cache}, **forward_kwargs)
+            return F.pad(torch.cat([first_hidden[row_prompt, -1:], rest_hidden[:, :-1]], 1), cut)
+    _, hidden = forward_last_hidden(model, input_ids=input_ids, attention_mask=attention_mask,
+                                    position_ids=position_ids(attention_mask), use_cache=False, **forward_kwargs)
+    return F.pad(hidden[:, P - 1 : -1], cut)
+
+
+def forward_last_hidden(model, **inputs) -> tuple:
+    """model(**inputs) and its decoder's last hidden state (B, T, H), taken by a hook on the decoder: the forward runs
+    as called (DDP's and FSDP's hooks included), and only that state is kept (output_hidden_states keeps every
+    layer's: ~208 KB a token at 7B in bf16, also in the no-grad passes)."""
+    hidden = []
+    hook = unwrap(model).get_decoder().register_forward_hook(lambda module, args, out: hidden.append(out[0]))
+    try:
+        return model(**inputs), hidden[-1]
+    finally:
+        hook.remove()
 
 
 def _token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, model, temperature: float, entropy: bool

@@ -14,6 +14,7 @@ import random
 import re
 import shlex
 import shutil
+import socket
 import sys
 import time
 import warnings
@@ -26,10 +27,19 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.state_dict as dcp_state
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from common import Rollout, UsageError, current_device, is_lora, plain_weights, print0, unwrap, whole
+from common import (
+    Rollout,
+    UsageError,
+    checkpoint_dtype,
+    current_device,
+    is_lora,
+    plain_weights,
+    print0,
+    unwrap,
+    whole,
+)
 
 # 1. Run folder --------------------------------------------------------------------------------------------------
 CHECKPOINT_INFO = "checkpoint.json"  # in every checkpoint folder: the file, step, ranks and flags that wrote it
@@ -48,12 +58,34 @@ def prepare_run_dir(run_info: dict, rank: int) -> tuple[Path, Path | None]:
 
 def claim_run_dir(run_dir: Path, checkpoint: Path | None, rank: int) -> None:
     """Take run_dir, created and locked (flock: a second run there stops), metrics.jsonl cut to the checkpoint's step
-    (the rest moved aside); from here a Ctrl-C prints how to go on, not a traceback."""
-    _on_rank_0(_claim, rank, run_dir, checkpoint)
+    (the rest moved aside), seen by every rank; from here a Ctrl-C prints how to go on, not a traceback."""
+    token = _on_rank_0(_claim, rank, run_dir, checkpoint)
+    _every_rank_sees(run_dir, token)
     sys.excepthook = functools.partial(_explain_interrupt, sys.excepthook, run_dir, rank)
 
 
-def _claim(run_dir: Path, checkpoint: Path | None) -> None:
+def _every_rank_sees(run_dir: Path, token: str) -> None:
+    """Stop (on every rank) unless every rank reads in run_dir's lock file the `token` rank 0 wrote there: each rank
+    writes its shards of a checkpoint into rank 0's run folder and reads them back on --resume, so the nodes of a
+    run need one filesystem they all see there (not a disk of each node's own)."""
+    if not dist.is_initialized():
+        return
+    deadline = time.monotonic() + 10  # a network filesystem may show a new file to another node a little late
+    while not (sees := (run_dir / RUN_LOCK).is_file() and (run_dir / RUN_LOCK).read_text() == token):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, sees)
+    blind = [str(rank) for rank, sees in enumerate(seen) if not sees]
+    if blind:
+        raise UsageError(f"--output-dir {run_dir.parent}: rank{'s' * (len(blind) > 1)} {', '.join(blind)} cannot see "
+                         f"rank 0's run folder {token.split(' ', 2)[2]}. Checkpoints need one "
+                         "filesystem that every node sees there: each rank writes its shards into it and reads them "
+                         "back on --resume. Pass an --output-dir on a disk the nodes share.")
+
+
+def _claim(run_dir: Path, checkpoint: Path | None) -> str:
     run_dir.mkdir(parents=True, exist_ok=True)
     if str(run_dir.resolve()) not in _held_locks:  # (else an earlier run in this process holds it)
         lock = open(run_dir / RUN_LOCK, "a")
@@ -75,6 +107,12 @@ def _claim(run_dir: Path, checkpoint: Path | None) -> None:
             print(f"{run_dir}: this run logs from step {step}; the metrics that were there are kept in "
                   f"{_move_aside(metrics)}", flush=True)
         tmp.rename(metrics)
+    token = f"{os.getpid()} {time.time_ns()} {socket.gethostname()}:{run_dir.resolve()}"  # for `_every_rank_sees`
+    lock = _held_locks[str(run_dir.resolve())]
+    lock.truncate(0)
+    lock.write(token)
+    lock.flush()
+    return token
 
 
 def _explain_interrupt(excepthook, run_dir: Path, rank: int, kind, value, traceback) -> None:
@@ -221,15 +259,21 @@ def save_checkpoint(path: Path, modules: dict[str, torch.nn.Module], tokenizer, 
             dist.barrier()  # the folder exists before any rank writes into it
         if optimizer is not None:
             _save_training_state(tmp, modules, optimizer, rank, extra)
-        policy, weights = modules["policy"], None
-        if isinstance(unwrap(policy), FSDPModule):  # collective: every rank takes part, rank 0 receives them
-            options = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)
-            weights = dcp_state.get_model_state_dict(policy, options=options)
+        policy, hf_model, lora = modules["policy"], unwrap(modules["policy"]), is_lora(modules["policy"])
+        # On rank 0's host, one tensor at a time (FSDP: each gathered, every rank taking part): a LoRA run's adapters,
+        # and the model (LoRA: merged, in final/ only) in its checkpoint's dtype, not the fp32 it was trained in
+        adapters = {key: whole(value).cpu() for key, value in hf_model.state_dict().items() if ".lora_" in key}
+        dtype, weights = checkpoint_dtype(run_info["config"]["model"]), {}
+        if not lora or optimizer is None:
+            weights = {name: value for name, value in plain_weights(policy, dtype, "cpu") if rank == 0}
         if rank == 0:
-            hf_model = unwrap(policy)
-            hf_model.save_pretrained(tmp / "adapter" if is_lora(policy) else tmp, state_dict=weights)
-            if is_lora(policy) and optimizer is None:  # final/: the merged model too, which loads without peft
-                hf_model.get_base_model().save_pretrained(tmp, state_dict=dict(plain_weights(policy, weights)))
+            if lora:
+                hf_model.save_pretrained(tmp / "adapter", state_dict=adapters)
+            if weights:
+                plain = hf_model.get_base_model() if lora else hf_model
+                plain.save_pretrained(tmp, state_dict=weights)
+                plain.config.dtype = dtype  # save_pretrained wrote the dtype of the weights held (fp32) in config.json
+                plain.config.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             info = {"algorithm": run_info["algorithm"], "step": step, "resumable": optimizer is not None,
                     "world_size": dist.get_world_size() if distributed else 1, "config": run_info["config"]}

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 import torch
+import torch.nn.functional as F
 import tyro
 from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoModel, AutoModelForSequenceClassification
@@ -108,8 +109,13 @@ class ExperimentFlags:
 class ModelAndDataFlags:
     model: Optional[str] = None
     """Hugging Face model name or local folder; left out: the bundled tiny model of --task"""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """weights dtype; auto = float32 on CPU, bfloat16 on GPU (log-probs are always computed in float32)"""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """compute dtype; auto = float32 on CPU, bfloat16 on GPU. What the optimizer trains is held in float32 whatever it
+    is (bf16 weights round updates of ~1e-6 away), what is frozen (the reference, a LoRA base) in it; final/ is saved
+    in the checkpoint's own dtype; the log-softmax of the log-probs is float32"""
+    lm_head_fp32: bool = False
+    """compute the LM head in float32 on a bfloat16 model, for the log-probs and for sampling (model.generate and
+    vLLM alike): logits not rounded to bf16, a smaller sampler gap, for a float32 matmul over the vocabulary"""
     dataset: Optional[str] = None
     """training data: a JSONL file, a Hugging Face dataset name, or a JSON/Parquet/CSV file or dataset folder
     (needs `pip install datasets`); left out: the built-in --task"""
@@ -255,6 +261,7 @@ class Args(AlgorithmFlags, OptimizationFlags, RolloutFlags, ModelAndDataFlags, E
     local_prompts_per_step: tyro.conf.Suppress[int] = 0
     local_batch_size: tyro.conf.Suppress[int] = 0
     minibatch_size: tyro.conf.Suppress[int] = 0
+    max_sequence_length: tyro.conf.Suppress[int] = 0  # the longest prompt + --max-new-tokens (load_task)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,14 +285,17 @@ class Critic(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int) -> torch.Tensor:
         """(B, P+L) ids and mask -> values (B, L) in fp32, 0 after the last response token."""
         hidden = response_hidden_states(self.backbone, input_ids, attention_mask, prompt_length)  # (B, L, H)
-        return self.value_head(hidden.float()).squeeze(-1) * attention_mask[:, prompt_length:]
+        # In fp32, also where FSDP gathers the head in bf16 for the compute: a value is a regression target
+        head = self.value_head
+        values = F.linear(hidden.float(), head.weight.float(), head.bias.float()).squeeze(-1)  # (B, L)
+        return values * attention_mask[:, prompt_length:]
 
 
 def load_reward_model(name: str, dtype: str, device: torch.device):
     """A frozen `AutoModelForSequenceClassification` with one output (a reward model) and its own
     tokenizer, which need not be the policy's: completions are scored as text."""
     tokenizer = load_tokenizer(name, "--reward-model")
-    model = load_model(name, dtype, device, tokenizer, AutoModelForSequenceClassification)
+    model = load_model(name, dtype, device, tokenizer, AutoModelForSequenceClassification, trained=False)
     if model.config.num_labels != 1:
         raise UsageError(f"--reward-model {name!r}: has {model.config.num_labels} outputs; a reward model has one "
                          "(AutoModelForSequenceClassification with num_labels=1).")
@@ -467,10 +477,11 @@ def main(args: Args) -> None:
 
     # Seeded alike on every rank while loading (new weights, e.g. LoRA's, are the same), then by rank (own samples).
     torch.manual_seed(args.seed)
-    policy = load_model(args.model, args.dtype, device, tokenizer, gradient_checkpointing=args.gradient_checkpointing)
+    policy = load_model(args.model, args.dtype, device, tokenizer, gradient_checkpointing=args.gradient_checkpointing,
+                        trained=args.lora_rank == 0, sharded=args.fsdp, lm_head_fp32=args.lm_head_fp32)
     policy = add_lora(policy, args.lora_rank, args.lora_alpha, args.lora_targets)  # as it is with --lora-rank 0
     if args.fsdp:  # sharded in place; FSDP2 averages gradients over ranks, as DDP does
-        shard_model(policy, device)
+        shard_model(policy, device, args.dtype)
     # --- algorithm: the reference model (not loaded when the KL is off), the reward model, the critic ---
     ref_policy = load_reference(args, policy, tokenizer, device) if args.beta > 0 or args.target_kl else None
     reward_model = rm_tokenizer = None
@@ -487,10 +498,10 @@ def main(args: Args) -> None:
                          "policy's tokens. Pass --critic-model with a model that shares --model's tokenizer "
                          "(e.g. --critic-model <the --model path>).")
     torch.manual_seed(args.seed)
-    critic = Critic(load_model(critic_path, args.dtype, device, tokenizer, AutoModel,
-                               gradient_checkpointing=args.gradient_checkpointing))
+    critic = Critic(load_model(critic_path, args.dtype, device, tokenizer, AutoModel, sharded=args.fsdp,
+                               gradient_checkpointing=args.gradient_checkpointing))  # trained: held in fp32
     if args.fsdp:
-        shard_model(critic, device)
+        shard_model(critic, device, args.dtype)
     # ---
     torch.manual_seed(args.seed + rank)
     # --- algorithm: what the optimizer trains: the policy and the critic (its own learning rate) ---

@@ -8,7 +8,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from common import UsageError, model_positions, plain_weights, stop_ids
+from common import UsageError, compute_dtype, plain_weights, stop_ids
 
 
 class VllmEngine:
@@ -17,10 +17,12 @@ class VllmEngine:
     call when `optimizer` has stepped since it last got them. Sampling is plain softmax(logits / T), as in
     `sample_hf`. Its random stream is its own (seeded per rank), not in checkpoints: a resumed run samples other
     completions. On a GPU it sleeps between calls, freeing its KV cache for the update, and its weights too unless
-    `keep_weights` (then pushed again at every call)."""
+    `keep_weights` (then pushed again at every call). Its KV cache is planned for `max_model_len`, the longest
+    sequence the run makes (None: the model's whole context)."""
 
     def __init__(self, name: str, dtype: str, seed: int, optimizer: torch.optim.Optimizer,
-                 gpu_memory_utilization: float = 0.3, keep_weights: bool = True):
+                 gpu_memory_utilization: float = 0.3, keep_weights: bool = True, max_model_len: int | None = None,
+                 lm_head_fp32: bool = False):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights in memory
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         try:
@@ -29,14 +31,20 @@ class VllmEngine:
             raise UsageError("--vllm needs vLLM, in an environment of its own: pip install -r requirements-vllm.txt "
                              "(see the README)") from None
         self.vllm, self.gpu = vllm, torch.cuda.is_available()
-        dtype = ("bfloat16" if self.gpu else "float32") if dtype == "auto" else dtype  # as load_model's
+        self.dtype = compute_dtype(dtype, torch.device("cuda" if self.gpu else "cpu"))  # as load_model's
+        # On a GPU: vLLM 0.34's extensible KV cache (on by default on CUDA) caps the whole process's PyTorch memory
+        # after warm-up (torch.cuda.set_per_process_memory_fraction, in v1/worker/extensible_kv_cache.py) and keeps the
+        # cap while the engine sleeps, so the update in this process would get the GPU less the KV cache: off. The
+        # cache is then planned, within gpu_memory_utilization of the GPU, by profiling at start-up.
+        gpu = {"gpu_memory_utilization": gpu_memory_utilization, "enable_extensible_kv_cache": False}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=FutureWarning)
             self.llm = vllm.LLM(
-                name, dtype=dtype, seed=seed, load_format="dummy", generation_config="vllm",
-                logprobs_mode="processed_logprobs", max_model_len=model_positions(name), enforce_eager=not self.gpu,
+                name, dtype=str(self.dtype).removeprefix("torch."), seed=seed, load_format="dummy",
+                generation_config="vllm", logprobs_mode="processed_logprobs", max_model_len=max_model_len,
+                enforce_eager=not self.gpu, enable_sleep_mode=self.gpu, **(gpu if self.gpu else {}),
                 distributed_executor_backend="external_launcher" if dist.is_initialized() else None,
-                enable_sleep_mode=self.gpu, **({"gpu_memory_utilization": gpu_memory_utilization} if self.gpu else {}))
+                **({"hf_overrides": {"head_dtype": "float32"}} if lm_head_fp32 else {}))  # vLLM's fp32 LM head
         self.keep_weights, self.stale = keep_weights, True  # stale: its weights are not the policy's
         optimizer.register_step_post_hook(lambda *_: setattr(self, "stale", True))  # a step changes the policy's
         self.sleep()
@@ -55,10 +63,10 @@ class VllmEngine:
             self.stale = True
 
     def push(self, model) -> None:
-        """The model's weights into the engine, one tensor at a time (`plain_weights`), the LM head included
-        where it is tied to the embeddings; then the prefix cache emptied: it holds keys and values of the old
-        weights, which prompts longer than a block would reuse."""
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": plain_weights(model)})
+        """The model's weights into the engine, one tensor at a time (`plain_weights`) in the engine's dtype (the
+        policy's are held in fp32), the LM head included where it is tied to the embeddings; then the prefix cache
+        emptied: it holds keys and values of the old weights, which prompts longer than a block would reuse."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": plain_weights(model, self.dtype)})
         self.llm.reset_prefix_cache()
         self.stale = False
 

@@ -1,6 +1,7 @@
 """The GPU check: grpo.py's own training rounds on one GPU at a real model's shape (random weights of Qwen2.5-0.5B or
 1.5B, the offline tokenizer, prompts of --prompt-length tokens; EOS is rare, so completions run to --new-tokens),
-sampling with `model.generate` and with --vllm (its engine keeping its weights between calls, and not), then against
+sampling with `model.generate` and with --vllm (its engine keeping its weights between calls, and not), each with the
+LM head in bf16 and in fp32 (--lm-head-fp32: the sampler gap printed shows what it closes), then against
 TRL's GRPOTrainer in turns (benchmarks/lockstep.py), each side with its own sampler, where trl is installed.
 
     python -m benchmarks.gpu_check            # in the vLLM environment (requirements-vllm.txt), + trl for TRL
@@ -8,7 +9,7 @@ TRL's GRPOTrainer in turns (benchmarks/lockstep.py), each side with its own samp
 
 Each run is 1 + --rounds steps, the first left out. Printed from its metrics.jsonl: seconds per round and of
 sampling, sampled tokens per second, peak memory, the update's TFLOP/s (`update_flops` over perf/update_s) and, on a
-GPU, its MFU (over --peak-tflops); with --vllm the sampler gap and what the rollout correction did.
+GPU, its MFU (over --peak-tflops); the sampler gap, and with --vllm what the rollout correction did.
 """
 import importlib.util
 import json
@@ -24,13 +25,15 @@ import tyro
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from benchmarks.lockstep import ROOT, UPDATES_PER_ROLLOUT, Shape, compare, print_comparison, save_with_offline_tokenizer
-from benchmarks.memory_fit import QWEN
+from benchmarks.memory_fit import SHAPES as MODEL_SHAPES
 from benchmarks.memory_fit import Shape as ModelShape
 from common import format_prompt, load_tokenizer
 
-SAMPLERS = {"generate": [], "vllm": ["--vllm"], "vllm_weights_freed": ["--vllm", "--no-vllm-keep-weights"]}
+SAMPLERS = {"generate": [], "generate_fp32_head": ["--lm-head-fp32"], "vllm": ["--vllm"],
+            "vllm_fp32_head": ["--vllm", "--lm-head-fp32"], "vllm_weights_freed": ["--vllm", "--no-vllm-keep-weights"]}
 # Qwen2.5-0.5B's and 1.5B's shapes (memory_fit's), and the CPU check's (vLLM's CPU attention takes heads of 32)
-SHAPES = {shape.name.lower(): shape for shape in QWEN[:2] + [ModelShape("tiny", 2, 64, 128, 2, 1, tied=True)]}
+SHAPES = {"0.5b": MODEL_SHAPES["Qwen2.5-0.5B"], "1.5b": MODEL_SHAPES["Qwen2.5-1.5B"],
+          "tiny": ModelShape("tiny", 2, 64, 128, 2, 1, tied=True)}
 
 
 def qwen_config(s: ModelShape) -> Qwen2Config:
@@ -137,7 +140,8 @@ def main(args: Args) -> None:
                                         folder / "model")
             dataset(folder, args)
             # vllm_weights_freed on a GPU only: on a CPU vLLM never sleeps, so it would repeat the vllm run
-            for name in [n for n in SAMPLERS if has_vllm and (gpu or n != "vllm_weights_freed") or n == "generate"]:
+            for name in [n for n in SAMPLERS if (has_vllm or "--vllm" not in SAMPLERS[n])
+                         and (gpu or n != "vllm_weights_freed")]:
                 figures = results[shape][name] = grpo_rounds(folder, args, config, name)
                 print(f"Qwen2.5-{shape} grpo.py {' '.join(SAMPLERS[name])}: " +
                       ", ".join(f"{k} {v:.4g}" for k, v in figures.items()), flush=True)

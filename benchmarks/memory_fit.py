@@ -1,28 +1,36 @@
-"""What fits: peak memory per GPU of grpo.py's training step (weights, gradients, optimizer, activations, KV cache),
-for DDP and --fsdp, with and without --gradient-checkpointing; the formula checked against tiny steps on CPU.
+"""What fits: the peak memory per GPU of a run, by phase (loading, sampling, the update), read from its command.
 
-    python -m benchmarks.memory_fit            # from the repo root: the table in docs/benchmarks.md
-    python -m benchmarks.memory_fit --check    # formula vs measured peak RSS on CPU (a few minutes)
+    python -m benchmarks.memory_fit --command "torchrun --nproc_per_node=8 dapo.py --model Qwen/Qwen2.5-7B ..."
+    python -m benchmarks.memory_fit            # each GPU command of README.md and docs/*.md: docs/benchmarks.md's table
+    python -m benchmarks.memory_fit --check    # the formula against measured peaks on CPU (a few minutes)
 
-The formula (bytes per GPU; N parameters, w bytes per weight; W ranks; b sequences of s tokens per micro-batch
-(with --max-tokens-per-micro-batch, b s is at most that); L layers, hidden H, MLP width I, vocabulary V):
-    DDP   static = 4 w N (weights, gradients, AdamW's two moments) + w N (DDP's gradient buckets, W > 1)
-                   + w N (the frozen reference, beta > 0)
-    FSDP  static = 16 N / W (fp32 master weights, gradients, moments, sharded) + 4 N / W (reference)
-                   + 2 (V H (1 + untied) + 2 layer) (the root's and two layers' bf16 copies, unsharded)
-    activations  = L b s a   without checkpointing,   L b s H w + b s a   with it,
-                   a = (12 H + 4 I) w per token and layer (what autograd saves in a Qwen layer with
-                   SDPA attention: measured by --check with saved-tensor hooks), + 0.8 GB for the
-                   chunked log-prob head (measured at B x T = 8 x 2048, vocabulary 151,936), or
-                   24 b s V when b s V <= 2^27 (get_logprobs then keeps the logits for the backward, in
-                   one product instead of chunks: the logits and their temporaries, as a chunk's)
-    KV cache     = 2 L n_kv d_head (P + T) w per sequence, for the rank's whole rollout while sampling
-    peak         = static + max(KV cache, activations)
-Not counted: the CUDA context and allocator fragmentation (keep ~10% free), a reward model or critic
-(ppo.py: the critic adds a second policy's static bytes).
+The command is read with its file's own flags and defaults; the model's shape from a local folder's config.json, else
+from SHAPES below by its name; prompts are --max-prompt-length tokens (else --prompt-length); nodes given as a variable
+($NODES) are --nodes. In bytes per GPU, for N parameters of which T train (the policy, ppo's critic; LoRA: the
+adapters) and F stay frozen (the reference, a LoRA base, a reward model); S = the ranks under --fsdp, else 1 (every rank
+holds everything); b s tokens a micro-batch; L layers, hidden H, MLP width I, vocabulary V:
+    held        4 T / S (the fp32 weights the optimizer trains)  +  2 F / S (bf16)
+                + 8 T / S (AdamW's two fp32 moments, from the first step on)
+    copies      one GPU and DDP: 2 T, the bf16 casts of the fp32 weights autocast keeps from a forward to its backward;
+                FSDP: 2 (V H (1 + untied) + 2 layers), the bf16 copies it gathers (the root, a layer and the next)
+    update      held + copies + 4 T / S (gradients) + 4 T (DDP's gradient buckets) + activations + the log-prob head:
+                L b s a, or with --gradient-checkpointing L b s 4 H + b s a (each layer's fp32 input, and the layer
+                being recomputed); a = 2 (12 H + 4 I) + 16 H (what autograd saves of a Qwen layer under bf16 autocast,
+                its fp32 norms included: measured by --check); the head: 0.8 GB (a chunk of 2^25 logits), or 24 b s V
+                where the logits are kept (b s V <= 2^27)
+    sampling    held + copies + model.generate's bf16 KV cache, 2 L n_kv d_head (P + T) 2 for each sequence sampled at
+                once (the rank's rollout; an evaluation batch of 256); --vllm: the engine's --vllm-gpu-memory share of
+                the card (its weights, KV cache and activations) instead of the KV cache and copies
+    asleep      --vllm through the update: the engine's bf16 weights (2 N) kept, with --no-vllm-keep-weights nothing
+    loading     held without AdamW (under FSDP rank 0 also sends one whole tensor at a time); --vllm: the engine
+                starts after the models and takes its share of the card
+A run fits where its peak is at most 90 % of the card: the CUDA context, the allocator's fragmentation and vLLM's CUDA
+graphs are not counted.
 """
 
-import inspect
+import importlib
+import re
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -30,6 +38,7 @@ from pathlib import Path
 
 import tyro
 
+ROOT = Path(__file__).resolve().parent.parent
 GB = 1e9
 
 
@@ -43,54 +52,126 @@ class Shape:
     kv_heads: int
     vocab: int = 151936
     tied: bool = False
+    head_dim: int = 0  # 0: hidden // heads
 
     def __post_init__(self):
-        H, self.head_dim = self.hidden, self.hidden // self.heads
-        kv = self.kv_heads * self.head_dim
-        self.layer_params = H * H * 2 + H * kv * 2 + 3 * H * self.intermediate + 2 * H  # q o, k v, gate up down, norms
+        H, self.head_dim = self.hidden, self.head_dim or self.hidden // self.heads
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.layer_params = 2 * H * q + H * kv * 2 + 3 * H * self.intermediate + 2 * H  # q o, k v, gate up down, norms
         self.embedding_params = self.vocab * H * (1 if self.tied else 2)  # input embeddings (and the LM head if untied)
         self.params = self.layers * self.layer_params + self.embedding_params + H  # + the final norm
 
 
-# Qwen2.5 shapes (layers, hidden, MLP, heads, KV heads; from the published configs, recalled, not read here)
-QWEN = [Shape("0.5B", 24, 896, 4864, 14, 2, tied=True), Shape("1.5B", 28, 1536, 8960, 12, 2, tied=True),
-        Shape("3B", 36, 2048, 11008, 16, 2, tied=True), Shape("7B", 28, 3584, 18944, 28, 4),
-        Shape("14B", 48, 5120, 13824, 40, 8), Shape("32B", 64, 5120, 27648, 40, 8)]
+# The published configs (layers, hidden, MLP, heads, KV heads), by the model's name without -Instruct
+SHAPES = {shape.name: shape for shape in [
+    Shape("Qwen2.5-0.5B", 24, 896, 4864, 14, 2, tied=True), Shape("Qwen2.5-1.5B", 28, 1536, 8960, 12, 2, tied=True),
+    Shape("Qwen2.5-3B", 36, 2048, 11008, 16, 2, tied=True), Shape("Qwen2.5-7B", 28, 3584, 18944, 28, 4, 152064),
+    Shape("Qwen2.5-14B", 48, 5120, 13824, 40, 8, 152064), Shape("Qwen2.5-32B", 64, 5120, 27648, 40, 8, 152064),
+    Shape("Qwen2.5-Math-1.5B", 28, 1536, 8960, 12, 2, tied=True), Shape("Qwen2.5-Math-7B", 28, 3584, 18944, 28, 4),
+    Shape("Qwen3-1.7B", 28, 2048, 6144, 16, 8, tied=True, head_dim=128),
+    Shape("Skywork-Reward-V2-Qwen3-0.6B", 28, 1024, 3072, 16, 8, tied=True, head_dim=128)]}
 
 
-def peak_bytes(shape: Shape, fsdp: bool, ranks: int, checkpointing: bool, micro_batch: int, seq: int,
-               rollout_seqs: int, w: int = 2, reference: bool = True, logprob_head: float = 0.8 * GB) -> float:
-    N, tokens = shape.params, micro_batch * seq
-    if fsdp:
-        static = 16 * N / ranks + (4 * N / ranks if reference else 0)
-        static += 2 * (shape.embedding_params + 2 * shape.layer_params)
-    else:
-        static = 4 * w * N + (w * N if ranks > 1 else 0) + (w * N if reference else 0)
-    kv_cache = 2 * shape.layers * shape.kv_heads * shape.head_dim * seq * w * rollout_seqs / ranks
-    per_layer = (12 * shape.hidden + 4 * shape.intermediate) * w * tokens  # b s a: what autograd saves of a layer
-    activations = shape.layers * shape.hidden * w * tokens + per_layer if checkpointing else shape.layers * per_layer
-    return static + max(kv_cache, activations + logprob_head)
+def model_shape(name: str) -> Shape:
+    """--model's shape: its config.json where it is a local folder, else SHAPES' entry for its name."""
+    if (Path(name) / "config.json").is_file():
+        from transformers import AutoConfig
+
+        c = AutoConfig.from_pretrained(name).get_text_config()
+        return Shape(name, c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.num_attention_heads,
+                     c.num_key_value_heads, c.vocab_size, c.tie_word_embeddings, getattr(c, "head_dim", 0) or 0)
+    key = name.rsplit("/", 1)[-1].removesuffix("-Instruct")
+    if key not in SHAPES:
+        raise SystemExit(f"error: --model {name}: no shape known for it; pass a local folder with its config.json, or "
+                         "add its shape to SHAPES in benchmarks/memory_fit.py.")
+    return SHAPES[key]
 
 
-def table(micro_batch: int, seq: int, rollout_seqs: int) -> None:
-    print(f"grpo.py, bf16, reference model on; micro-batch {micro_batch} x {seq} tokens; "
-          f"rollout {rollout_seqs} sequences over the ranks. Cell: peak GB per GPU on the fewest GPUs "
-          "(1, 2, 4, 8) where it fits in 90% of the card, '-' if none")
-    for card in (80, 141):
-        print(f"\n{card} GB cards")
-        print("| model | params | DDP | DDP + ckpt | FSDP | FSDP + ckpt |")
-        print("|---|---|---|---|---|---|")
-        for shape in QWEN:
-            cells = []
-            for fsdp, ckpt in [(False, False), (False, True), (True, False), (True, True)]:  # the header's order
-                cell = "-"
-                for ranks in ((2, 4, 8) if fsdp else (1,)):  # DDP replicates: more GPUs do not help memory
-                    gb = peak_bytes(shape, fsdp, ranks, ckpt, micro_batch, seq, rollout_seqs) / GB
-                    if gb <= 0.9 * card:
-                        cell = f"{ranks} GPU{'s' if ranks > 1 else ''}, {gb:.0f}"
-                        break
-                cells.append(cell)
-            print(f"| {shape.name} | {shape.params / 1e9:.2f}B | " + " | ".join(cells) + " |")
+def read_command(command: str, nodes: int, prompt_length: int) -> dict:
+    """What memory depends on in `command` (`python x.py ...` or `torchrun ... x.py ...`): the file's flags as it
+    parses them, the ranks, the model's shape and the lengths."""
+    words = [w for w in shlex.split(command.replace("\\\n", " ")) if w != "..."]
+    at = next(i for i, w in enumerate(words) if w.endswith(".py"))
+    launcher = dict(re.match(r"--([a-z_-]+)=?(.*)", w).groups() for w in words[:at] if w.startswith("--"))
+    ranks_per_node = int(launcher.get("nproc_per_node", launcher.get("nproc-per-node", 1)))
+    node_count = launcher.get("nnodes", "1")
+    world_size = ranks_per_node * (int(node_count) if node_count.isdigit() else nodes)
+    sys.path[:0] = [] if str(ROOT) in sys.path else [str(ROOT)]  # the algorithm files and common.py
+    from common import cli
+
+    module = importlib.import_module(Path(words[at]).stem)
+    args = cli(module.Args, words[at + 1 :])
+    local_rows = args.prompts_per_step // world_size * args.group_size
+    minibatch = local_rows // args.num_minibatches
+    return {"file": words[at], "args": args, "world_size": world_size, "shape": model_shape(args.model),
+            "prompt": args.max_prompt_length or prompt_length, "response": args.max_new_tokens or 8,
+            "rollout": local_rows, "micro_batch": min(args.micro_batch_size or minibatch, minibatch),
+            "uses_reference": "load_reference(" in (ROOT / words[at]).read_text()}
+
+
+def phases(run: dict, card: float) -> dict[str, float]:
+    """Bytes per GPU of each phase of `run` (read_command's) on a card of `card` bytes: the docstring's formula."""
+    args, shape, L, H = run["args"], run["shape"], run["shape"].layers, run["shape"].hidden
+    N, S = shape.params, run["world_size"] if args.fsdp else 1
+    seq = run["prompt"] + run["response"]
+    tokens = run["micro_batch"] * seq
+    if args.max_tokens_per_micro_batch:  # micro-batches filled up to the budget (a longer row alone)
+        tokens = max(seq, min(tokens, args.max_tokens_per_micro_batch))
+    lora = args.lora_rank * L * (9 * H + 2 * shape.kv_heads * shape.head_dim + 3 * shape.intermediate)
+    trained, frozen = (lora, N) if args.lora_rank else (N, 0)
+    if run["uses_reference"] and not args.lora_rank and (args.beta > 0 or getattr(args, "target_kl", None)):
+        frozen += N
+    if Path(run["file"]).stem == "ppo":  # the critic, a backbone without its LM head, trained in full; a reward model
+        critic = model_shape(args.critic_model or args.reward_model or args.model)
+        trained += critic.params - (0 if critic.tied else critic.vocab * critic.hidden)
+        frozen += model_shape(args.reward_model).params if args.reward_model else 0
+    held = 4 * trained / S + 2 * frozen / S
+    adam = 8 * trained / S
+    copies = 2 * (shape.embedding_params + 2 * shape.layer_params) if args.fsdp else 2 * trained
+    a = 2 * (12 * H + 4 * shape.intermediate) + 16 * H
+    activations = L * tokens * 4 * H + tokens * a if args.gradient_checkpointing else L * tokens * a
+    head = 24 * tokens * shape.vocab if tokens * shape.vocab <= 2**27 else 0.8 * GB
+    buckets = 4 * trained if run["world_size"] > 1 and not args.fsdp else 0
+    update = held + adam + copies + 4 * trained / S + buckets + activations + head
+    kv_cache = 2 * L * shape.kv_heads * shape.head_dim * seq * 2 * max(run["rollout"], 256 if args.eval_every else 0)
+    engine = args.vllm_gpu_memory * card if args.vllm else 0
+    sampling = held + adam + (engine if args.vllm else copies + kv_cache)
+    asleep = 2 * N if args.vllm and args.vllm_keep_weights else 0
+    largest_tensor = 4 * shape.vocab * H if args.fsdp else 0
+    return {"loading": held + largest_tensor + engine, "sampling": sampling, "update": update + asleep}
+
+
+def estimate(command: str, card_gb: float = 80, nodes: int = 1, prompt_length: int = 512) -> tuple[dict, str]:
+    """(GB per phase, the verdict line: 'fits: ...' or 'does not fit: ...') for `command` on a card of `card_gb`."""
+    run = read_command(command, nodes, prompt_length)
+    gb = {phase: value / GB for phase, value in phases(run, card_gb * GB).items()}
+    peak, usable = max(gb.values()), 0.9 * card_gb
+    verdict = "fits" if peak <= usable else "does not fit"
+    return gb, f"{verdict}: peak {peak:.1f} GB per GPU, of {usable:.0f} GB usable on a {card_gb:.0f} GB GPU"
+
+
+def gpu_commands() -> list[tuple[str, str]]:
+    """(file, command) of every command in README.md's and docs/*.md's code blocks that trains a --model on GPUs."""
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
+            for command in re.split(r"(?<!\\)\n", block):
+                command = re.sub(r"\s*#.*$", "", command, flags=re.M).strip()  # (the comments)
+                if re.match(r"(python|torchrun) ", command) and "--model Qwen/" in command:
+                    found.append((path.relative_to(ROOT).as_posix(), command))
+    return found
+
+
+def table(card_gb: float, nodes: int) -> None:
+    print(f"Every GPU command of README.md and docs/, on an {card_gb:.0f} GB GPU ($NODES: {nodes}); GB per GPU")
+    print("| where | file | --model | ranks | memory flags | loading | sampling | update | |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for where, command in gpu_commands():
+        run, (gb, verdict) = read_command(command, nodes, 512), estimate(command, card_gb, nodes)
+        flags = re.findall(r"--(?:fsdp|gradient-checkpointing|vllm|lora-rank \d+|micro-batch-size \d+|max-tokens-per-"
+                           r"micro-batch \d+|vllm-gpu-memory [\d.]+)(?=\s|$)", command)
+        print(f"| {where} | {run['file']} | {run['args'].model} | {run['world_size']} | {' '.join(flags)} | "
+              f"{gb['loading']:.0f} | {gb['sampling']:.0f} | {gb['update']:.0f} | {verdict.split(':')[0]} |")
 
 
 # --- the check on CPU ------------------------------------------------------------------------------
@@ -100,22 +181,26 @@ TINY = [(4, 512, 2048, 2, 128), (2, 256, 1024, 16, 512), (8, 384, 1536, 8, 256)]
 
 
 def measure_one(layers: int, hidden: int, intermediate: int, batch: int, seq: int, checkpointing: bool) -> None:
-    """Child process: one GRPO-like training step (reference log-probs, forward, backward, AdamW) of a
-    Qwen3 in fp32 on CPU; prints the growth of peak RSS and the formula's bytes, in GB."""
+    """Child process: one GRPO-like training step (reference log-probs, forward, backward, AdamW) of a Qwen3 with fp32
+    weights computing in bf16 (common.autocast, as load_model on a GPU) on CPU; prints the growth of peak RSS and the
+    formula's bytes (with the CPU's fp32 reference in place of bf16), in GB."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from common import get_logprobs, peak_memory_gb
+    from common import autocast, get_logprobs, peak_memory_gb
 
     torch.manual_seed(0)
-    vocab = 1024
+    vocab, cpu = 1024, torch.device("cpu")
     ids = torch.randint(0, vocab, (batch, seq))
     mask = torch.ones_like(ids)
     config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
                          max_position_embeddings=seq, tie_word_embeddings=False)
-    base = peak_memory_gb(torch.device("cpu")) * 2**30
-    policy, ref = Qwen3ForCausalLM(config), Qwen3ForCausalLM(config).requires_grad_(False)
+    base = peak_memory_gb(cpu) * 2**30
+    policy, ref = Qwen3ForCausalLM(config), Qwen3ForCausalLM(config).to(torch.bfloat16).requires_grad_(False)
+    for model in (policy, ref):
+        model.forward = autocast(model.forward, cpu, torch.bfloat16)
+        model.lm_head.forward = autocast(model.lm_head.forward, cpu, torch.bfloat16)
     if checkpointing:
         policy.activation_checkpointing_enable({"use_reentrant": False})
     policy.train()
@@ -125,17 +210,20 @@ def measure_one(layers: int, hidden: int, intermediate: int, batch: int, seq: in
     logprobs, _ = get_logprobs(policy, ids, mask, 1, 1.0)
     logprobs.sum().backward()
     optimizer.step()
-    measured = peak_memory_gb(torch.device("cpu")) * 2**30 - base
-    shape = Shape("tiny", layers, hidden, intermediate, 4, 2, vocab=vocab)
-    # a chunk's logits and temporaries; below get_logprobs' threshold one chunk holds them all, kept for the backward
-    kept = batch * seq * vocab <= inspect.signature(get_logprobs).parameters["recompute_above"].default
-    logprob_head = 6 * (batch * seq if kept else min(batch * seq, 2**25 // vocab)) * vocab * 4
-    predicted = peak_bytes(shape, False, 1, checkpointing, batch, seq, 0, w=4, logprob_head=logprob_head)
-    print(f"{measured / GB:.4f} {predicted / GB:.4f} {shape.params}")
+    measured = peak_memory_gb(cpu) * 2**30 - base
+    shape, tokens = Shape("tiny", layers, hidden, intermediate, 4, 2, vocab=vocab), batch * seq
+    N, H = shape.params, hidden
+    a = 2 * (12 * H + 4 * intermediate) + 16 * H
+    activations = layers * tokens * 4 * H + tokens * a if checkpointing else layers * tokens * a
+    # the logits (bf16, then fp32) and their temporaries, kept for the backward below get_logprobs' threshold
+    head = 24 * tokens * vocab if tokens * vocab <= 2**27 else 6 * 4 * (2**25 // vocab) * vocab
+    predicted = 16 * N + 2 * N + 2 * N + activations + head  # held and AdamW, the reference, copies
+    print(f"{measured / GB:.4f} {predicted / GB:.4f} {N}")
 
 
 def check() -> None:
-    print("fp32 on CPU, one process, policy + reference; peak RSS growth of a training step vs the formula")
+    print("fp32 weights, bf16 autocast, on CPU, one process, policy + bf16 reference; peak RSS growth of a training "
+          "step vs the formula")
     print("| layers x hidden x MLP | micro-batch x seq | ckpt | params | measured GB | formula GB "
           "| formula / measured |")
     print("|---|---|---|---|---|---|---|")
@@ -143,7 +231,7 @@ def check() -> None:
         for ckpt in (False, True):
             sizes = map(str, (layers, hidden, intermediate, batch, seq, int(ckpt)))
             out = subprocess.run([sys.executable, "-m", "benchmarks.memory_fit", "--one", *sizes], capture_output=True,
-                                 cwd=Path(__file__).resolve().parent.parent, text=True, check=True).stdout
+                                 cwd=ROOT, text=True, check=True).stdout
             measured, predicted, params = map(float, out.split()[-3:])
             print(f"| {layers} x {hidden} x {intermediate} | {batch} x {seq} | {'yes' if ckpt else 'no'} | "
                   f"{params / 1e6:.1f}M | {measured:.3f} | {predicted:.3f} | {predicted / measured:.2f} |", flush=True)
@@ -151,14 +239,16 @@ def check() -> None:
 
 @dataclass
 class Args:
+    command: str | None = None
+    """a training command (python or torchrun): its peak per GPU by phase, and whether it fits"""
+    gpu_memory: float = 80
+    """the card's memory, GB (H100/A100: 80, H200: 141)"""
+    nodes: int = 1
+    """nodes, where a command gives them as a variable ($NODES)"""
+    prompt_length: int = 512
+    """prompt tokens, where a command gives no --max-prompt-length"""
     check: bool = False
     """formula vs measured peak memory on CPU"""
-    micro_batch: int = 8
-    """sequences per micro-batch (table)"""
-    seq: int = 1024
-    """prompt + response tokens per sequence (table)"""
-    rollout: int = 512
-    """sequences sampled per step, all ranks (table)"""
     one: tuple[int, int, int, int, int, int] | None = None
     """internal: LAYERS HIDDEN MLP BATCH SEQ CHECKPOINTING, one measurement, in the child process --check starts"""
 
@@ -168,8 +258,13 @@ def main(args: Args) -> None:
         measure_one(*args.one[:5], bool(args.one[5]))
     elif args.check:
         check()
+    elif args.command:
+        gb, verdict = estimate(args.command, args.gpu_memory, args.nodes, args.prompt_length)
+        for phase, value in gb.items():
+            print(f"{phase:<9} {value:7.1f} GB per GPU")
+        print(verdict)
     else:
-        table(args.micro_batch, args.seq, args.rollout)
+        table(args.gpu_memory, args.nodes)
 
 
 if __name__ == "__main__":

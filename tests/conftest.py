@@ -91,6 +91,20 @@ def mixed_dataset(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def bf16_model(tmp_path_factory) -> Path:
+    """The default model as a bf16 checkpoint (config.json's dtype bfloat16), as Qwen's are."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from common import DEFAULT_MODEL, load_tokenizer
+
+    folder = tmp_path_factory.mktemp("bf16") / "model"
+    AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.bfloat16).save_pretrained(folder)
+    load_tokenizer(DEFAULT_MODEL).save_pretrained(folder)
+    return folder
+
+
 def pytest_collection_modifyitems(config, items):
     """The long tests first, so that the 2 workers end together on short ones instead of one waiting for the
     other's last training run: the slow tests without vLLM, then vLLM's (whose environment the background

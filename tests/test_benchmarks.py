@@ -15,7 +15,11 @@ pytestmark = pytest.mark.slow  # each benchmark run at a tiny shape: `-m 'not sl
 def test_memory_fit_table_and_one_measurement_run(tmp_path):
     result = run(["-m", "benchmarks.memory_fit"], cwd=ROOT)
     assert result.returncode == 0, result.stderr
-    assert "| 7B | 7.61B |" in result.stdout and "141 GB cards" in result.stdout
+    assert "| README.md | grpo.py | Qwen/Qwen2.5-7B-Instruct | 16 | --fsdp --gradient-checkpointing" in result.stdout
+    command = "python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --micro-batch-size 16"
+    result = run(["-m", "benchmarks.memory_fit", "--command", command], cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert [line.split()[0] for line in result.stdout.splitlines()] == ["loading", "sampling", "update", "fits:"]
     result = run(["-m", "benchmarks.memory_fit", "--one", "1", "32", "64", "2", "16", "1"], cwd=ROOT)
     assert result.returncode == 0, result.stderr
     measured, predicted, params = result.stdout.split()[-3:]

@@ -88,14 +88,15 @@ def test_the_shared_code_stays_within_its_sizes():
     """The project's budgets: common.py, the plumbing the loop reads, at most 1,600 lines whatever is added (a new
     feature pays for its lines elsewhere; beside it are harness.py, the run folder and checkpoints, and vllm_engine.py,
     imported only with --vllm);
-    benchmarks/ at most 1,000; grpo.py's main, the loop a reader reads top to bottom, at most 130 lines with its def
-    line."""
+    benchmarks/ at most 1,100 (1,000 until memory_fit.py learned to read a command's phases, #61); grpo.py's main, the
+    loop a reader reads top to bottom, at most 131 lines with its def line (130 until load_model took the precision
+    and sharding arguments of #61)."""
     assert len(read("common.py")) <= 1600
-    assert sum(len(path.read_text().splitlines()) for path in (ROOT / "benchmarks").glob("*.py")) <= 1000
+    assert sum(len(path.read_text().splitlines()) for path in (ROOT / "benchmarks").glob("*.py")) <= 1100
     base = read("grpo.py")
     start = base.index("def main(args: Args) -> None:\n")
     end = next(i for i in range(start + 1, len(base)) if base[i].strip() and not base[i].startswith((" ", "\n")))
-    assert len("".join(base[start:end]).rstrip("\n").splitlines()) <= 130
+    assert len("".join(base[start:end]).rstrip("\n").splitlines()) <= 131
 
 
 def test_the_check_catches_a_changed_shared_line():
@@ -136,8 +137,8 @@ HOST_PACKAGES = {"models": "class Net:\n    pass\n", "data": "def load():\n    r
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_an_algorithm_file_and_common_py_run_when_copied_into_another_codebase(tmp_path, ranks):
-    """dapo.py, common.py, harness.py and tiny_model/ copied into a folder that also holds a `models` and a `data` package
-    run as `python dapo.py --num-steps 2 --eval-every 0` (and under torchrun with 2 ranks), importing nothing
+    """dapo.py, common.py, harness.py and tiny_model/ copied into a folder that also holds a `models` and a `data`
+    package run as `python dapo.py --num-steps 2 --eval-every 0` (and under torchrun with 2 ranks), importing nothing
     from the host's packages and nothing from this repository."""
     host = tmp_path / "host"
     for package, source in HOST_PACKAGES.items():
