@@ -15,9 +15,11 @@ file.
 
 import bisect
 import contextlib
+import copy
 import dataclasses
 import datetime
 import functools
+import gzip
 import importlib
 import importlib.util
 import itertools
@@ -446,8 +448,8 @@ def load_rows(source: str, flag: str = "--dataset", config: str | None = None, s
     """Rows of a JSONL file or of what `datasets` reads (Hub, JSON/Parquet/CSV, folders) at `config` and `split` (None:
     'test' or its only one), fields by name or dotted path: "answer" as text, "prompt" as text or a list of chat
     messages (refused with `no_chat`: why no template renders them); a missing, null or wholly empty one stops."""
-    records = _jsonl_records(source, flag) if source.endswith(".jsonl") and config is None else \
-        _dataset_records(source, flag, config, split)
+    jsonl = is_jsonl(source, config)
+    records = _jsonl_records(source, flag) if jsonl else _dataset_records(source, flag, config, split)
     rows = []
     for where, record in records:
         values = []  # the prompt's, then the answer's
@@ -470,6 +472,8 @@ def load_rows(source: str, flag: str = "--dataset", config: str | None = None, s
             bad = next((f"message {i} must be {{'role': text, 'content': text}}, got {m!r:.200}. Fix the row, or name "
                         "another field with --prompt-field" for i, m in enumerate(prompt, 1) if not is_message(m)),
                        no_chat and f"chat messages, which need a chat template; {no_chat}, or give them as text")
+            bad = bad or (not prompt and "no messages (an empty list). Fix the row, or name another field with "
+                          "--prompt-field")
             if bad:
                 raise UsageError(f"{where}: field {prompt_field}: {bad}.")
         rows.append({**record, "prompt": prompt if isinstance(prompt, list) else str(prompt), "answer": str(answer)})
@@ -482,6 +486,11 @@ def load_rows(source: str, flag: str = "--dataset", config: str | None = None, s
     return rows
 
 
+def is_jsonl(source: str, config: str | None = None) -> bool:
+    """Whether `source` is read as a JSONL file (also gzip'd, as many datasets ship): one row a line, no splits."""
+    return source.endswith((".jsonl", ".jsonl.gz")) and config is None
+
+
 def is_message(m) -> bool:
     return isinstance(m, dict) and all(isinstance(m.get(key), str) for key in ("role", "content"))
 
@@ -492,7 +501,7 @@ def _jsonl_records(source: str, flag: str):
     if not path.is_file():
         raise UsageError(f"{flag} {str(path)!r}: no such file. Pass a JSONL file with one "
                          '{"prompt": ..., "answer": ...} object a line, or leave it out for the built-in task.')
-    with open(path, "rb") as f:
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
         for line_no, raw in enumerate(f, 1):
             try:
                 if raw.strip():
@@ -510,8 +519,9 @@ def _dataset_records(source: str, flag: str, config: str | None, split: str | No
     try:
         if (path / "dataset_dict.json").exists() or (path / "dataset_info.json").exists():
             data = datasets.load_from_disk(str(path))  # written by save_to_disk
-        elif path.is_file():  # the builder by the file's suffix: json, parquet, csv
-            data = datasets.load_dataset(path.suffix[1:].replace("jsonl", "json"), data_files=str(path))
+        elif path.is_file():  # the builder by the file's suffix: json, parquet, csv (compressed: by the one before)
+            kind = re.sub(r"\.(gz|bz2|xz|zst)$", "", path.name).rsplit(".", 1)[-1]
+            data = datasets.load_dataset(kind.replace("jsonl", "json"), data_files=str(path))
         else:
             data = datasets.load_dataset(source, config)
     except Exception as e:  # also a folder with a loading script, which datasets refuses to run
@@ -537,10 +547,25 @@ def load_data(dataset: str | None, eval_dataset: str | None, eval_size: int, dat
             raise UsageError(f"--eval-size {eval_size}: the built-in task has {len(held_out)} prompts, so none "
                              "would be left to train on. Hold out fewer (the default is 500).")
         return train, held_out
+    if split != "train" and is_jsonl(dataset, dataset_config):
+        raise UsageError(f"--split {split}: {dataset!r} is a JSONL file, which has no splits. Leave --split out, or "
+                         "pass a dataset that has them.")
+    if eval_split is not None and is_jsonl(eval_dataset or dataset, None if eval_dataset else dataset_config):
+        why = ": the held-out rows would be the training rows. Pass --eval-dataset with a file of held-out rows, or " \
+            "leave --eval-split out to hold out the last --eval-size rows."
+        why = ". Leave --eval-split out." if eval_dataset else why
+        raise UsageError(f"--eval-split {eval_split}: {eval_dataset or dataset!r} is a JSONL file, which has no "
+                         f"splits{why}")
     train = load_rows(dataset, "--dataset", dataset_config, split, **fields)
     if eval_dataset is not None or eval_split is not None:
-        return train, load_rows(eval_dataset or dataset, "--eval-dataset" if eval_dataset else "--dataset",
-                                None if eval_dataset else dataset_config, eval_split, **fields)
+        held_out = load_rows(eval_dataset or dataset, "--eval-dataset" if eval_dataset else "--dataset",
+                             None if eval_dataset else dataset_config, eval_split, **fields)
+        if held_out == train:  # the same file, or the split trained on, given again: accuracy on the training rows
+            named = f"--eval-dataset {eval_dataset!r}" if eval_dataset else \
+                f"--eval-split {eval_split}: the split {eval_split!r} of {dataset!r} is the one trained on"
+            raise UsageError(f"{named}: the held-out rows would be the training rows. Pass --eval-dataset with other "
+                             "rows, another --eval-split, or neither (the last --eval-size rows are held out).")
+        return train, held_out
     if len(train) <= eval_size:
         raise UsageError(f"--dataset {dataset!r} has {len(train)} rows, too few to hold out --eval-size {eval_size}. "
                          "Pass --eval-dataset or --eval-split, or a smaller --eval-size.")
@@ -556,6 +581,12 @@ def load_task(args) -> tuple:
     if args.system_prompt is not None and no_chat:
         raise UsageError(f"--system-prompt {args.system_prompt!r}: a system message needs the chat template; "
                          f"{no_chat}, or leave --system-prompt out.")
+    try:  # a template may refuse a system role (Gemma 2's): one line here, not a jinja2 traceback at every row
+        if args.system_prompt is not None:
+            format_prompt(tokenizer, [system, {"role": "user", "content": "1"}], True)
+    except Exception as error:
+        raise UsageError(f"--system-prompt {args.system_prompt!r}: the chat template of --model {args.model} refuses "
+                         f"it: {str(error).rstrip('.')}.") from None
     train, held_out = load_data(args.dataset, args.eval_dataset, args.eval_size, args.dataset_config, args.split,
                                 args.eval_split, args.task or "add", prompt_field=args.prompt_field,
                                 answer_field=args.answer_field, no_chat=no_chat)
@@ -588,15 +619,27 @@ def fit_prompts(train: list[dict], held_out: list[dict], tokenizer, args) -> tup
     why = f"longer than --max-prompt-length {limit} tokens" if limit == args.max_prompt_length else \
         f"longer than {limit} tokens (the model takes {positions} positions, --max-new-tokens of them)"
     fitted, longest = [], 0
-    for examples, what in ((train, "training data"), (held_out, "held-out data")):
-        texts = [format_prompt(tokenizer, e["prompt"], args.chat_template) for e in examples]
+    # Where a row is, for a message: its source and number there (--dataset's held-out rows are its last ones)
+    source = f"--dataset {args.dataset}" if args.dataset else "the built-in task"
+    held_source = f"--eval-dataset {args.eval_dataset}" if args.eval_dataset else source
+    held_first = 1 if args.eval_dataset or args.eval_split else len(train) + 1
+    for examples, what, where, first in ((train, "training data", source, 1),
+                                         (held_out, "held-out data", held_source, held_first)):
+        texts = []
+        for i, e in enumerate(examples, first):
+            try:
+                texts.append(format_prompt(tokenizer, e["prompt"], args.chat_template))
+            except Exception as error:  # the template's own refusal (jinja2's raise_exception): its message
+                raise UsageError(f"{where}: row {i}: the chat template of --model {args.model} refuses its prompt: "
+                                 f"{str(error).rstrip('.')}.") from None
         once = list(dict.fromkeys(texts))  # each text tokenized once: DAPO-Math-17k repeats each of its problems
         try:
             lengths = dict(zip(once, map(len, tokenizer(once, add_special_tokens=False).input_ids))) if once else {}
         except Exception as e:  # the default tiny model's tokenizer knows only the built-in tasks' characters
             raise UsageError(f"--model {args.model}: its tokenizer cannot encode the {what} ({e}). Pass a --model "
                              "whose tokenizer covers your data.") from None
-        fitted.append([e for e, text in zip(examples, texts) if 0 < lengths[text] <= limit])
+        fits = [0 < lengths[text] <= limit and not is_blank(e["prompt"]) for e, text in zip(examples, texts)]
+        fitted.append([e for e, fit in zip(examples, fits) if fit])
         longest = max([longest, *(n for n in lengths.values() if n <= limit)])
         if examples and not fitted[-1]:
             raise UsageError(f"{what}: all {len(examples)} prompts are empty or {why}. Raise --max-prompt-length, "
@@ -604,15 +647,29 @@ def fit_prompts(train: list[dict], held_out: list[dict], tokenizer, args) -> tup
         if len(fitted[-1]) < len(examples):
             print0(f"{what}: dropped {len(examples) - len(fitted[-1])} of {len(examples)} prompts that are empty or "
                    f"{why}")
+        prefills = sum(isinstance(e["prompt"], list) and e["prompt"][-1]["role"] == "assistant" for e in fitted[-1])
+        if prefills:  # continued, not answered: SFT data's `messages` end with the gold answer (docs/data.md)
+            print0(f"{what}: {prefills} of {len(fitted[-1])} prompts end with the assistant's message, continued (a "
+                   "prefill: where it is a gold answer, as in SFT data's messages, name the prompt's field instead)")
     return fitted[0], fitted[1], (limit, why), longest
 
 
 def format_prompt(tokenizer, prompt: str | list[dict], chat_template: bool) -> str:
-    """The text a model continues: its chat template's rendering (text: a user message), else the text after BOS."""
+    """The text a model continues: its chat template's rendering (text: a user message) and the assistant's header, or
+    where the last message is the assistant's, that message left open to be continued (a prefill, as TRL's
+    continue_final_message); without the template, the text after BOS."""
     if chat_template and tokenizer.chat_template:
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}] if isinstance(prompt, str) else
-                                             prompt, add_generation_prompt=True, tokenize=False)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        prefill = messages[-1]["role"] == "assistant"
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=not prefill,
+                                             continue_final_message=prefill, tokenize=False)
     return (tokenizer.bos_token or "") + prompt
+
+
+def is_blank(prompt: str | list[dict]) -> bool:
+    """A prompt with no question: blank text, or messages whose every content but the system's is blank."""
+    texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt if m["role"] != "system"]
+    return not any(text.strip() for text in texts)
 
 
 def prompt_batch(examples: list[dict], step: int, batch_size: int, rank: int, world_size: int, seed: int) -> list[dict]:
@@ -921,7 +978,7 @@ def run_episodes(model, tokenizer, rows: list[dict], group_size: int, max_new_to
     """`group_size` episodes of each row: each turn those still going sample as a batch, each text goes to its `step`,
     the observation is appended as tokens (sampled ones never decoded and encoded again), until `done`, --max-turns or
     --max-new-tokens. Every rank runs as many turns (a dummy one where its episodes ended): collective forwards."""
-    rows = [row for row in rows for _ in range(group_size)]
+    rows = [copy.deepcopy(row) for row in rows for _ in range(group_size)]  # each episode's own: an env may write it
     envs = [env_output(env, "__init__", env.env_class, row) for row in rows]
     messages, prompts = map(list, zip(*[env_output(env, "reset", getattr(e, "reset", lambda: None), row=row,
                                                    tokenizer=tokenizer) for e, row in zip(envs, rows)]))
@@ -938,7 +995,7 @@ def run_episodes(model, tokenizer, rows: list[dict], group_size: int, max_new_to
         new, new_logprobs = sample(model, tokenizer, [prompts[i] + responses[i] for i in going] or prompts[:1], 1,
                                    max(room, default=1), temperature, greedy, stop)  # each row up to its stop
         for k, i in enumerate(going):
-            ids, at_stop = cut_at_stop(tokenizer, new[k][: room[k]], stop)
+            ids, at_stop = cut_at_stop(tokenizer, new[k][: room[k]], stop, prompts[i] + responses[i])
             responses[i], masks[i], turns[i] = responses[i] + ids, masks[i] + [1] * len(ids), turn + 1
             logprobs[i] += new_logprobs[k][: len(ids)]
             at_eos = ids[-1] in eos_ids
@@ -953,8 +1010,10 @@ def run_episodes(model, tokenizer, rows: list[dict], group_size: int, max_new_to
             if ended[i]:
                 continue
             messages[i] += [{"role": "assistant", "content": said[i][-1]}, observation]
+            refused = f"--env {env.spec}: turn {turn + 1}: the chat template refuses the conversation with the " \
+                f"environment's {observation['role']} message"
             obs = message_ids(tokenizer, messages[i], len(messages[i]) - 1, ids[-1] if at_eos else None,
-                              env.chat_template)
+                              env.chat_template, refused)
             ended[i] = cut[i] = len(responses[i]) + len(obs) >= max_new_tokens  # no room left for a turn
             if not ended[i]:
                 responses[i], masks[i], logprobs[i] = responses[i] + obs, masks[i] + [0] * len(obs), \
@@ -968,6 +1027,9 @@ def env_output(env: MultiTurn, what: str, fn, *args, row: dict | None = None, to
     it: `what` is 'class', '__init__', 'stop', 'reset' or 'step'. An exception or a wrong value stops with one line."""
     try:
         value = fn(*args)
+    except SystemExit as e:  # (a code tool running what the policy wrote: exit()) would end the run, status 0
+        raise UsageError(f"--env {env.spec}: {what} called sys.exit({e.code!r}). An environment must return its "
+                         "values; to stop the run, raise an exception.") from None
     except Exception as e:
         raise UsageError(f"--env {env.spec}: {what} raised {type(e).__name__}: {e}") from None
     shown, a_message = repr(value), "a message {'role': text, 'content': text}"
@@ -984,7 +1046,9 @@ def env_output(env: MultiTurn, what: str, fn, *args, row: dict | None = None, to
         value = [value] if is_message(value) else row["prompt"] if value is None else value  # a message, or a list
         value = [{"role": "user", "content": value}] if isinstance(value, str) else value  # text: one user message
         valid = isinstance(value, list) and value != [] and all(map(is_message, value)) and value[0]["content"] != ""
-        if valid and len(ids := message_ids(tokenizer, value, 0, None, env.chat_template)) > env.prompt_limit[0]:
+        refused = f"--env {env.spec}: reset: the chat template refuses the first messages"
+        ids = message_ids(tokenizer, value, 0, None, env.chat_template, refused) if valid else []
+        if len(ids) > env.prompt_limit[0]:
             raise UsageError(f"--env {env.spec}: reset: the first message of row {row['prompt'][:40]!r}'s episodes is "
                              f"{len(ids)} tokens, {env.prompt_limit[1]}. Return a shorter one.")
         value = valid and (list(value), ids)
@@ -1010,23 +1074,39 @@ def stop_strings(tokenizer, stop: list[str]) -> list[str]:
     return kept
 
 
-def cut_at_stop(tokenizer, ids: list[int], stop: list[str]) -> tuple[list[int], bool]:
-    """`ids` up to the first token that completes a `stop` string, and whether one did (by decoding prefixes)."""
-    if not any(s in tokenizer.decode(ids) for s in stop):
+def cut_at_stop(tokenizer, ids: list[int], stop: list[str], context: list[int] = ()) -> tuple[list[int], bool]:
+    """`ids` up to the first token that completes a `stop` string, and whether one did (by decoding prefixes): in the
+    text after `context` (the prompt and earlier turns), as model.generate sees it, so that a stop string that begins
+    before the turn (a '\n' that closes the assistant's header) ends the turn at its first token."""
+    tail = list(context)[len(context) - max(map(len, stop), default=0):]  # a token is a character or more
+    start = len(tokenizer.decode(tail))
+
+    def stops_at(n: int) -> bool:  # whether ids[: n + 1] complete a stop string that ends after the context
+        text = tokenizer.decode(tail + ids[: n + 1])
+        return any(text.find(s, max(0, start - len(s) + 1)) >= 0 for s in stop)
+
+    if not ids or not stops_at(len(ids) - 1):
         return ids, False
-    n = bisect.bisect_left(range(len(ids)), True, key=lambda n: any(s in tokenizer.decode(ids[: n + 1]) for s in stop))
+    n = bisect.bisect_left(range(len(ids)), True, key=stops_at)
     return ids[: n + 1], True
 
 
-def message_ids(tokenizer, messages: list[dict], new: int, eos_id: int | None, chat_template: bool) -> list[int]:
+def message_ids(tokenizer, messages: list[dict], new: int, eos_id: int | None, chat_template: bool,
+                refused: str = "the chat template refuses the messages") -> list[int]:
     """The tokens of messages[new:] (the first ones, or an observation) and the next header: the chat template's text
     of all less that of those before, from where the policy's turn closes (after its EOS `eos_id`, or the template's;
-    no template: the contents, after BOS). A content is text only: an environment's '<|im_end|>' forges no turn."""
+    no template: the contents, after BOS); first messages that end with the assistant's continue it (a prefill). A
+    content is text only: an environment's '<|im_end|>' forges no turn. A template's refusal: one line, `refused`."""
     marked = messages[:new] + [{**m, "content": f"\0{k}\0"} for k, m in enumerate(messages[new:])]  # index marks
     text, start = ("" if new else tokenizer.bos_token or "") + "".join(m["content"] for m in marked[new:]), 0
     if chat_template and tokenizer.chat_template:
-        text = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
-        before = tokenizer.apply_chat_template(messages[:new], tokenize=False) if new else ""
+        prefill = not new and messages[-1]["role"] == "assistant"
+        try:  # (roles that must alternate, meeting a tool's message; a system role some templates refuse)
+            text = tokenizer.apply_chat_template(marked, add_generation_prompt=not prefill,
+                                                 continue_final_message=prefill, tokenize=False)
+            before = tokenizer.apply_chat_template(messages[:new], tokenize=False) if new else ""
+        except Exception as error:
+            raise UsageError(f"{refused}: {error}") from None
         close = tokenizer.decode([eos_id]) if eos_id is not None else tokenizer.eos_token
         start = (end := before.rfind(close)) + len(close) * (eos_id is not None) if new else 0
         if new and (end < 0 or not text.startswith(before) or not before[:end].endswith(messages[new - 1]["content"])):

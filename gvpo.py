@@ -31,7 +31,8 @@ Differences from grpo.py:
   --updates-per-rollout passes over each group in all, spread over the K+1 steps it is trained at.
 - --demos-per-group k: mixed data, k of each group's G completions the example's worked completion (default 0).
 - --target-kl d: beta adapted after each step toward a KL of d nats per completion from the anchor to the updated
-  policy, by PPO's adaptive KL penalty; the loss is then divided by beta (docs/gvpo.md; default: beta fixed).
+  policy, by PPO's adaptive KL penalty, within 2^10 of --beta; the loss is then divided by beta (docs/gvpo.md;
+  default: beta fixed).
 
 Why replayed groups and demonstrations need no importance weight (the paper's §3.3): with
 R_theta(x, y) = beta log(pi_theta(y|x) / pi_theta'(y|x)), the loss estimates, for completions y drawn
@@ -252,7 +253,7 @@ class AlgorithmFlags:
     scratchpad; on a --dataset, its answer), not sampled: graded and trained as the others (docs/gvpo.md)"""
     target_kl: Optional[float] = None
     """adapt beta after each step toward this KL from the anchor to the updated policy (nats per completion;
-    PPO's adaptive KL penalty: x2 above 1.5 x target, /2 below target / 1.5); None: beta fixed"""
+    PPO's adaptive KL penalty: x2 above 1.5 x target, /2 below target / 1.5, within 2^10 of --beta); None: beta fixed"""
 
 
 @dataclass
@@ -312,14 +313,19 @@ def compute_loss(
     return loss, metrics
 
 
-def update_beta(beta: float, kl: float, target_kl: float) -> float:
+def update_beta(beta: float, kl: float, target_kl: float, initial: float) -> float:
     """PPO's adaptive KL penalty (Schulman et al., arXiv:1707.06347, section 4): after a step whose KL to the
     anchor was d, beta /= 2 if d < target / 1.5, beta *= 2 if d > target * 1.5, else unchanged. A larger beta
-    pulls the implicit reward, and so the policy, closer to the anchor."""
+    pulls the implicit reward, and so the policy, closer to the anchor.
+
+    Kept within 2^10 of the `initial` beta either way, as PPO's later controllers clip their updates (Ziegler et
+    al.'s error to +-0.2): the paper's rule has no bound, and where the KL stays below target / 1.5 it halves beta at
+    every step, to where the loss, divided by it, is not finite (~120 steps). At 1/1024 of its start the pull toward
+    the anchor is nothing next to the centred rewards it is weighed against; at 1024 times it holds the policy there."""
     if kl < target_kl / 1.5:
-        return beta / 2
+        return max(beta / 2, initial / 2**10)
     if kl > target_kl * 1.5:
-        return beta * 2
+        return min(beta * 2, initial * 2**10)
     return beta
 
 
@@ -507,7 +513,7 @@ def main(args: Args) -> None:
             kl = ((log_ratio.exp() - 1 - log_ratio) * b_response_mask).sum(-1)[b_sampled_now]  # (n,) k3 per completion
             kl_sum, count = all_reduce(torch.stack([kl.sum(), kl.new_tensor(len(kl))])).tolist()
             metrics["algo/kl_to_anchor"] = kl_sum / max(count, 1)
-            state["beta"] = update_beta(state["beta"], metrics["algo/kl_to_anchor"], args.target_kl)
+            state["beta"] = update_beta(state["beta"], metrics["algo/kl_to_anchor"], args.target_kl, args.beta)
         # ---
 
         # --- algorithm: the sampler guard, on the completions this policy sampled ---

@@ -70,6 +70,17 @@ AT_START_UP = [
     ("every prompt (or every answer) empty: a field that names the wrong column",
      ["--dataset", "{tmp}/empty_prompts.jsonl", "--eval-size", "4"],
      "empty_prompts.jsonl': every prompt is empty. Name the field that holds the prompts with --prompt-field"),
+    ("`--eval-split test` with a JSONL `--dataset`: no splits, so the held-out rows would be the training rows",
+     ["--dataset", "{tmp}/train.jsonl", "--eval-split", "test"], "train.jsonl' is a JSONL file, which has no splits: "
+     "the held-out rows would be the training rows. Pass --eval-dataset with a file of held-out rows, or leave "
+     "--eval-split out to hold out the last --eval-size rows."),
+    ("`--split validation` with a JSONL `--dataset`", ["--dataset", "{tmp}/train.jsonl", "--split", "validation"],
+     "train.jsonl' is a JSONL file, which has no splits. Leave --split out, or pass a dataset that has them."),
+    ("`--eval-dataset` the same file as `--dataset`", ["--dataset", "{tmp}/train.jsonl", "--eval-dataset",
+     "{tmp}/train.jsonl"], "train.jsonl': the held-out rows would be the training rows. Pass --eval-dataset with "
+     "other rows, another --eval-split, or neither (the last --eval-size rows are held out)."),
+    ("a prompt that is an empty list of messages", ["--dataset", "{tmp}/chat.jsonl", "--prompt-field", "none"],
+     "chat.jsonl:1: field none: no messages (an empty list). Fix the row, or name another field with --prompt-field."),
     ("a chat message without `role` or `content`", ["--dataset", "{tmp}/chat.jsonl", "--prompt-field", "no_role"],
      "chat.jsonl:1: field no_role: message 1 must be {'role': text, 'content': text}, got {'content': '1+1'}. Fix the "
      "row, or name another field with --prompt-field."),
@@ -158,7 +169,7 @@ def make_inputs(tmp: Path) -> None:
     (tmp / "empty_prompts.jsonl").write_text("".join(json.dumps({"prompt": "", "answer": "1"}) + "\n"
                                                      for _ in range(20)))
     (tmp / "user_rewards.py").write_text(USER_REWARDS)
-    chat = {"prompt": [{"role": "user", "content": "1+1"}], "no_role": [{"content": "1+1"}], "answer": "2",
+    chat = {"prompt": [{"role": "user", "content": "1+1"}], "no_role": [{"content": "1+1"}], "answer": "2", "none": [],
             "parts": [{"role": "user", "content": [{"type": "text", "text": "1+1"}]}],
             "reward_model": {"ground_truth": "2", "style": "rule"}}
     (tmp / "chat.jsonl").write_text((json.dumps(chat) + "\n") * 20)

@@ -314,3 +314,116 @@ def test_an_empty_system_prompt_is_an_empty_system_message():
     tokenizer, train, held_out, *_ = load_task(args)
     assert train[0]["prompt"] == [{"role": "system", "content": ""}, {"role": "user", "content": "86+28"}]
     assert format_prompt(tokenizer, held_out[0]["prompt"], True).startswith("<|im_start|>system\n<|im_end|>\n")
+
+
+# --- inputs as users give them, round two (#62) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(eval_split="test"), r"--eval-split test: .*d\.jsonl' is a JSONL file, which has no splits: the held-out rows "
+     r"would be the training rows\. Pass --eval-dataset with a file of held-out rows, or leave --eval-split out to "
+     r"hold out the last --eval-size rows\."),
+    (dict(split="validation"), r"--split validation: .*d\.jsonl' is a JSONL file, which has no splits\. Leave --split "
+     r"out, or pass a dataset that has them\."),
+    (dict(eval_dataset="SAME"), r"--eval-dataset .*d\.jsonl': the held-out rows would be the training rows\. Pass "
+     r"--eval-dataset with other rows"),
+])
+def test_a_split_flag_on_data_without_splits_stops_and_the_held_out_rows_are_never_the_training_rows(tmp_path, flags,
+                                                                                                      message):
+    """A JSONL file has no splits: --eval-split or --split were ignored, and the held-out set was the training file
+    itself (accuracy on the training rows, logged as held-out). Read as `datasets` reads them, a JSON or Parquet file
+    has one split, 'train', so --eval-split train (the split trained on) gave the same rows: refused too."""
+    import datasets
+
+    path = write_jsonl(tmp_path / "d.jsonl", GSM8K_LIKE[:20])
+    flags = {key: path if value == "SAME" else value for key, value in flags.items()}
+    with pytest.raises(UsageError, match=message):
+        load_data(path, flags.pop("eval_dataset", None), 5, prompt_field="question", **flags)
+    datasets.Dataset.from_list(GSM8K_LIKE[:20]).to_parquet(str(tmp_path / "d.parquet"))
+    with pytest.raises(UsageError, match=r"--eval-split train: the split 'train' of .*d\.parquet' is the one trained "
+                                         r"on: the held-out rows would be the training rows"):
+        load_data(str(tmp_path / "d.parquet"), None, 5, eval_split="train", prompt_field="question")
+
+
+def test_a_prompt_that_ends_with_the_assistants_message_is_continued(tmp_path, capsys):
+    """[user, assistant 'The answer is']: the assistant's turn is continued (a prefill), as TRL does with
+    continue_final_message, not closed and a new one opened; the start-up says how many prompts end so (SFT data's
+    `messages`, whose last message is the gold answer, would put it into every prompt)."""
+    import grpo
+    from common import DEFAULT_MODEL, check_flags, cli, format_prompt, load_task, load_tokenizer
+
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    prefill = [{"role": "user", "content": "1+2"}, {"role": "assistant", "content": "1+2="}]
+    assert format_prompt(tokenizer, prefill, True) == "<|im_start|>user\n1+2<|im_end|>\n<|im_start|>assistant\n1+2="
+    rows = [{"prompt": [{"role": "user", "content": f"{a}+2"}, {"role": "assistant", "content": f"{a}+2="}],
+             "answer": str(a + 2)} for a in range(10, 20)] + [{"prompt": "3+4", "answer": "7"}] * 4
+    check_flags(args := cli(grpo.Args, ["--dataset", write_jsonl(tmp_path / "p.jsonl", rows), "--eval-size", "4"]))
+    load_task(args)
+    assert "training data: 10 of 10 prompts end with the assistant's message, continued (a prefill" in \
+        capsys.readouterr().out
+
+
+@pytest.mark.parametrize("chat_template", [True, False])
+def test_empty_prompts_are_dropped_and_counted_with_and_without_the_chat_template(tmp_path, capsys, chat_template):
+    """'' and ' ' as text, and (with the template) a user message whose content is empty: no question, so dropped and
+    counted, as docs/data.md says; with the template on they used to become an empty user turn, trained on."""
+    import grpo
+    from common import check_flags, cli, load_task
+
+    rows = [{"prompt": f"{a}+2", "answer": str(a + 2)} for a in range(10, 20)]
+    rows += [{"prompt": "", "answer": "1"}, {"prompt": " ", "answer": "1"}]
+    if chat_template:
+        rows += [{"prompt": [{"role": "system", "content": "add"}, {"role": "user", "content": ""}], "answer": "1"}]
+    flags = ["--dataset", write_jsonl(tmp_path / "e.jsonl", rows), "--eval-size", "0", "--eval-every", "0"]
+    check_flags(args := cli(grpo.Args, flags + ([] if chat_template else ["--no-chat-template"])))
+    train = load_task(args)[1]
+    assert len(train) == 10 and all(row["prompt"] for row in train)
+    dropped = 3 if chat_template else 2
+    out = capsys.readouterr().out
+    assert f"training data: dropped {dropped} of {len(rows)} prompts that are empty or longer" in out
+
+
+GEMMA_LIKE = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+              "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_an_empty_message_list_or_a_template_that_raises_is_one_line(tmp_path):
+    """`"prompt": []` was transformers' ValueError (or an IndexError with --system-prompt); a chat template that
+    raises (Gemma 2's refuses a system role) was a jinja2 traceback. Each is one line before any model loads: the
+    file and line, or the flag, and the template's own message."""
+    import shutil
+
+    from common import DEFAULT_MODEL
+
+    good = [{"prompt": f"{a}+2", "answer": str(a + 2)} for a in range(10, 20)]
+    main_fails(tmp_path, r"x\.jsonl:11: field prompt: no messages \(an empty list\)\. Fix the row, or name another "
+               r"field with --prompt-field\.", dataset=write_jsonl(tmp_path / "x.jsonl", good + [{"prompt": [],
+                                                                                                   "answer": "1"}]),
+               eval_size=2)
+    shutil.copytree(DEFAULT_MODEL, tmp_path / "gemma_like")
+    (tmp_path / "gemma_like" / "chat_template.jinja").write_text(GEMMA_LIKE)
+    model = str(tmp_path / "gemma_like")
+    main_fails(tmp_path, r"--system-prompt 'be brief': the chat template of --model .*gemma_like refuses it: System "
+               r"role not supported\.", model=model, system_prompt="be brief", eval_size=4)
+    system = [{"prompt": [{"role": "system", "content": "add"}, {"role": "user", "content": "1+2"}], "answer": "3"}]
+    main_fails(tmp_path, r"--dataset .*s\.jsonl: row 11: the chat template of --model .*gemma_like refuses its "
+               r"prompt: System role not supported\.", model=model, eval_size=2,
+               dataset=write_jsonl(tmp_path / "s.jsonl", good + system))
+
+
+def test_gzipped_jsonl_and_json_are_read(tmp_path):
+    """`.jsonl.gz` (how many datasets ship) read as JSONL, without `datasets` and without a Hub look-up (it was looked
+    up as a dataset named 'gz': 25 s of retries, then a misleading line); `.json.gz` as JSON."""
+    import gzip
+
+    with gzip.open(tmp_path / "d.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(row) + "\n" for row in GSM8K_LIKE[:20]))
+    with gzip.open(tmp_path / "d.json.gz", "wt") as f:
+        f.write(json.dumps(GSM8K_LIKE[:20]))
+    for name in ("d.jsonl.gz", "d.json.gz"):
+        train, held_out = load_data(str(tmp_path / name), None, 5, prompt_field="question")
+        assert (len(train), len(held_out)) == (15, 5) and train[0]["prompt"] == "what is 10 plus 0?", name
+    (tmp_path / "bad.jsonl.gz").write_bytes(gzip.compress(b'{"prompt": "1+1", "answer": "2"}\nnot json\n'))
+    with pytest.raises(UsageError, match=r"bad\.jsonl\.gz:2: not valid JSON"):
+        load_data(str(tmp_path / "bad.jsonl.gz"), None, 1)

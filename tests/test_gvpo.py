@@ -177,7 +177,23 @@ def test_a_resume_with_the_rollout_correction_turned_on_weights_the_replayed_gro
 def test_adaptive_beta_hand_worked():
     # PPO's adaptive KL penalty (Schulman et al. 2017, arXiv:1707.06347, section 4), target 1: a KL below 1 / 1.5
     # halves beta, above 1.5 doubles it, between (edges included) keeps it.
-    assert [gvpo.update_beta(0.1, kl, 1.0) for kl in (0.6, 2 / 3, 1.0, 1.5, 1.6)] == [0.05, 0.1, 0.1, 0.1, 0.2]
+    assert [gvpo.update_beta(0.1, kl, 1.0, 0.1) for kl in (0.6, 2 / 3, 1.0, 1.5, 1.6)] == [0.05, 0.1, 0.1, 0.1, 0.2]
+
+
+def test_adaptive_beta_stays_within_ten_halvings_or_doublings_of_beta():
+    """Where each step's KL stays below target / 1.5 (the lab at lr 5e-5: 0.3 nats against 1), beta halved at every
+    step, without end: ~1e-16 by step 60, and after ~120 steps the loss, divided by beta, was not finite (the run
+    stopped, blaming the learning rate). It now stops at --beta / 2^10 (and, where the KL stays far above, at
+    --beta * 2^10), and the loss there is finite for the rewards and log-ratios of a run."""
+    beta, ceiling = 0.1, 0.1
+    for _ in range(200):
+        beta, ceiling = gvpo.update_beta(beta, 0.0, 1.0, 0.1), gvpo.update_beta(ceiling, 1e9, 1.0, 0.1)
+    assert (beta, ceiling) == (0.1 / 1024, 0.1 * 1024)
+    assert gvpo.update_beta(beta, 1.0, 1.0, 0.1) == beta and gvpo.update_beta(beta, 2.0, 1.0, 0.1) == 2 * beta
+    a = torch.tensor([[-160.0], [12.0], [100.0], [-4.0]])  # 4 completions' log-ratios to the anchor, far from it
+    loss, _ = gvpo.compute_loss(a, torch.zeros(4, 1), torch.tensor([-1.0, 1.0, 1.0, -1.0]), torch.ones(4, 1), 1, 4,
+                                beta)
+    assert torch.isfinite(loss / beta) and loss / beta > 0
 
 
 def test_target_kl_adapts_beta_from_the_kl_the_step_measured(tmp_path, monkeypatch):
@@ -192,7 +208,7 @@ def test_target_kl_adapts_beta_from_the_kl_the_step_measured(tmp_path, monkeypat
     betas = [m["algo/beta"] for m in metrics]
     assert betas[0] == 0.1 and seen == [b for b in betas for _ in range(2)]  # 2 passes x 1 minibatch per step
     for before, after in zip(metrics, metrics[1:]):
-        assert after["algo/beta"] == gvpo.update_beta(before["algo/beta"], before["algo/kl_to_anchor"], 0.05)
+        assert after["algo/beta"] == gvpo.update_beta(before["algo/beta"], before["algo/kl_to_anchor"], 0.05, 0.1)
     assert len(set(betas)) > 1, betas  # the controller acted
     with pytest.raises(UsageError, match="--target-kl 0.0: must be > 0"):
         gvpo.main(gvpo.Args(target_kl=0.0, output_dir=str(tmp_path)))

@@ -650,3 +650,97 @@ def test_seed_seeds_random_and_numpy_per_rank(monkeypatch):
         common.load_task(args)
         assert (random.random(), np.random.rand()) == (random.Random(5 + rank).random(),
                                                        np.random.RandomState(5 + rank).rand())
+
+
+# --- round two of the inputs users give (#62) --------------------------------------------------------------------
+
+
+def test_each_episode_gets_its_own_copy_of_its_row_and_the_data_never_changes(monkeypatch):
+    """An environment that keeps its state in its row (row['guesses'] += 1 at each step): the G episodes of a group
+    got the same dict, and it stayed in the training data, so the next visit of that prompt started from the last
+    episode's state ('6 guesses so far' at a new episode). Each episode now starts from the row as it was read."""
+    seen, rows = [], [{"prompt": "1+1", "answer": "2"}]
+
+    def init(self, row):
+        self.row = row
+        seen.append(row.get("guesses", 0))
+
+    def step(self, action):
+        self.row["guesses"] = self.row.get("guesses", 0) + 1
+        return "ok", 0.0, False
+
+    for _ in range(2):  # a step, and the next visit of the same prompt
+        scripted(monkeypatch, env(__init__=init, step=step), rows=rows, max_turns=3)
+    assert seen == [0, 0, 0, 0] and rows == [{"prompt": "1+1", "answer": "2"}]
+
+
+@pytest.mark.parametrize("changes, what, code", [
+    (dict(step=lambda self, action: exit()), "step", "None"),  # a code tool running what the policy wrote: exit()
+    (dict(__init__=lambda self, row: __import__("sys").exit(3)), "__init__", "3"),
+    (dict(reset=lambda self: __import__("sys").exit("bye")), "reset", "'bye'"),
+])
+def test_sys_exit_inside_an_environment_is_one_line(monkeypatch, changes, what, code):
+    """SystemExit is no Exception: it went past the environment's boundary and ended the run with its status (0 for
+    exit()), no message and no final/. Now one line, as for --reward-fn (whose __main__ exits 2)."""
+    with pytest.raises(UsageError) as stop:
+        scripted(monkeypatch, env(**changes))
+    assert str(stop.value) == (f"--env envs.py:Env: {what} called sys.exit({code}). An environment must return its "
+                               "values; to stop the run, raise an exception.")
+
+
+def test_a_stop_string_that_begins_before_the_turn_ends_it_at_its_first_token(monkeypatch):
+    """A stop string beginning with the newline that closes the assistant's header ('\\n\\n'): model.generate, which
+    sees the prompt, stops at the turn's first token ('\\n') and pads the row while others go on; the turn is cut
+    there (what generate saw), and neither the padding nor its log-probs are the policy's tokens."""
+    tokenizer = load_tokenizer(TASKS["add"][0])
+    newline, seven, pad = tokenizer.convert_tokens_to_ids(["\n", "7", tokenizer.pad_token])
+    turns = iter([([newline, pad, pad, pad], [-0.5, -1.6, -2.5, -0.1]), ([seven, newline, newline, pad],
+                                                                          [-0.3, -0.2, -0.4, -0.9])])
+
+    def sampler(model, tokenizer, prompts, group_size, max_new_tokens, temperature, greedy, stop=()):
+        ids, logprobs = next(turns)
+        return [ids] * len(prompts), [logprobs] * len(prompts)
+
+    monkeypatch.setattr(common, "sample_hf", sampler)
+    model = type("Model", (), {"generation_config": type("Config", (), {"eos_token_id": tokenizer.eos_token_id})})()
+    rollout = common.run_episodes(model, tokenizer, [{"prompt": "1+1", "answer": "2"}], 2, 100, 1.0, False, None,
+                                  MultiTurn(env(stop=["\n\n"]), "envs.py:Env", 2))
+    response = rollout.input_ids[0, rollout.prompt_length:]
+    policy = response[rollout.response_mask[0].bool()].tolist()
+    assert policy == [newline, seven, newline, newline]  # turn 1: '\n'; turn 2: '7\n\n' (its own stop)
+    assert rollout.sampler_logprobs[0][rollout.response_mask[0].bool()].tolist() == pytest.approx([-0.5, -0.3, -0.2,
+                                                                                                  -0.4])
+    assert cut_at_stop(tokenizer, [newline, pad], ["\n\n"], context=tokenizer("assistant\n").input_ids) == \
+        ([newline], True)
+    assert cut_at_stop(tokenizer, [seven, newline], ["\n\n"], context=tokenizer("\n\n").input_ids) == \
+        ([seven, newline], False)  # a stop string wholly in the context is no stop of this turn
+
+
+ALTERNATING = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+               "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+               "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_refuses_the_environments_turn_is_one_line(monkeypatch):
+    """A template that insists on alternating roles (as several do) meets a tool's observation: a jinja2 traceback
+    after the model had loaded; now one line naming the environment and the turn."""
+    tokenizer = load_tokenizer(TASKS["add"][0])
+    tokenizer.chat_template = ALTERNATING
+    with pytest.raises(UsageError) as stop:
+        scripted(monkeypatch, env(step=lambda self, action: ({"role": "tool", "content": "7"}, 0.0, False)),
+                 tokenizer=tokenizer)
+    assert str(stop.value) == ("--env envs.py:Env: turn 1: the chat template refuses the conversation with the "
+                               "environment's tool message: Conversation roles must alternate "
+                               "user/assistant/user/assistant/...")
+
+
+def test_an_episode_whose_first_messages_end_with_the_assistants_continues_it(monkeypatch):
+    """A first message list ending with the assistant's (a prefill): continued, as in single-turn prompts."""
+    tokenizer = load_tokenizer(TASKS["add"][0])
+    first = [{"role": "user", "content": "2+3"}, {"role": "assistant", "content": "2+3="}]
+    rollout = scripted(monkeypatch, env(reset=lambda self: first))
+    P = rollout.prompt_length
+    prompt = tokenizer.decode(rollout.input_ids[0, :P][rollout.attention_mask[0, :P].bool()])
+    assert prompt == format_prompt(tokenizer, first, True)
+    assert prompt == "<|im_start|>user\n2+3<|im_end|>\n<|im_start|>assistant\n2+3="
