@@ -272,7 +272,7 @@ def load_model(name: str, dtype: str, device: torch.device, tokenizer, auto_clas
     """Any causal LM (or its backbone: AutoModel) computing in `dtype` (auto: bf16 on GPU, fp32 on CPU), dropout off
     (log-probs must be a function of the weights, also in train mode); ready for gradient checkpointing. What the
     optimizer will train (`trained`) is held in fp32 whatever `dtype`: Adam's step is about the learning rate, 1e-6,
-    and a bf16 weight of 0.02 moves in steps of 6e-5, so bf16 weights round such updates away; frozen weights (the
+    and bf16 values near 0.02 are 1.2e-4 apart, so bf16 weights round such updates away; frozen weights (the
     reference, a LoRA base) are held in `dtype`. `sharded` (--fsdp): rank 0 reads the weights into host memory, the
     other ranks build the model on the meta device, and `shard_model` gives each GPU its shards of rank 0's."""
     compute = compute_dtype(dtype, device)
