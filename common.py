@@ -291,8 +291,8 @@ def load_model(name: str, dtype: str, device: torch.device, tokenizer, auto_clas
     model.compute_dtype = compute  # (read by sample_hf, and by peft's wrapper through its attributes)
     if compute != torch.float32:  # fp32 (or frozen) weights, the matmuls in `dtype`: as accelerate's mixed precision
         model.forward = autocast(model.forward, device, compute)
-    if head is not None and compute != torch.float32:  # also where get_logprobs calls it, after the forward
-        head.forward = fp32_linear(head) if lm_head_fp32 else autocast(head.forward, device, compute)
+        if head is not None:  # also where get_logprobs calls it, after the forward
+            head.forward = fp32_linear(head) if lm_head_fp32 else autocast(head.forward, device, compute)
     if head is not None and not sharded:  # (sharded: `shard_model` checks it, once the weights are in)
         check_output_logits(model)
     if gradient_checkpointing:  # transformers recomputes in train mode only; dropout is off: nothing else changes
@@ -581,12 +581,12 @@ def load_task(args) -> tuple:
     if args.system_prompt is not None and no_chat:
         raise UsageError(f"--system-prompt {args.system_prompt!r}: a system message needs the chat template; "
                          f"{no_chat}, or leave --system-prompt out.")
-    try:  # a template may refuse a system role (Gemma 2's): one line here, not a jinja2 traceback at every row
-        if args.system_prompt is not None:
+    if args.system_prompt is not None:  # a template may refuse a system role (Gemma 2's): one line, not a traceback
+        try:
             format_prompt(tokenizer, [system, {"role": "user", "content": "1"}], True)
-    except Exception as error:
-        raise UsageError(f"--system-prompt {args.system_prompt!r}: the chat template of --model {args.model} refuses "
-                         f"it: {str(error).rstrip('.')}.") from None
+        except Exception as error:
+            raise UsageError(f"--system-prompt {args.system_prompt!r}: the chat template of --model {args.model} "
+                             f"refuses it: {str(error).rstrip('.')}.") from None
     train, held_out = load_data(args.dataset, args.eval_dataset, args.eval_size, args.dataset_config, args.split,
                                 args.eval_split, args.task or "add", prompt_field=args.prompt_field,
                                 answer_field=args.answer_field, no_chat=no_chat)
@@ -1100,10 +1100,11 @@ def message_ids(tokenizer, messages: list[dict], new: int, eos_id: int | None, c
     marked = messages[:new] + [{**m, "content": f"\0{k}\0"} for k, m in enumerate(messages[new:])]  # index marks
     text, start = ("" if new else tokenizer.bos_token or "") + "".join(m["content"] for m in marked[new:]), 0
     if chat_template and tokenizer.chat_template:
-        prefill = not new and messages[-1]["role"] == "assistant"
         try:  # (roles that must alternate, meeting a tool's message; a system role some templates refuse)
-            text = tokenizer.apply_chat_template(marked, add_generation_prompt=not prefill,
-                                                 continue_final_message=prefill, tokenize=False)
+            # the first messages rendered as a dataset's prompt is (a last assistant message continued), later ones
+            # with the next header
+            text = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False) if new else \
+                format_prompt(tokenizer, marked, True)
             before = tokenizer.apply_chat_template(messages[:new], tokenize=False) if new else ""
         except Exception as error:
             raise UsageError(f"{refused}: {error}") from None

@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.state_dict as dcp_state
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from common import (
@@ -262,10 +263,13 @@ def save_checkpoint(path: Path, modules: dict[str, torch.nn.Module], tokenizer, 
         policy, hf_model, lora = modules["policy"], unwrap(modules["policy"]), is_lora(modules["policy"])
         # On rank 0's host, one tensor at a time (FSDP: each gathered, every rank taking part): a LoRA run's adapters,
         # and the model (LoRA: merged, in final/ only) in its checkpoint's dtype, not the fp32 it was trained in
-        adapters = {key: whole(value).cpu() for key, value in hf_model.state_dict().items() if ".lora_" in key}
+        adapters = {key: whole(value).cpu() for key, value in hf_model.state_dict().items() if ".lora_" in key} \
+            if lora else {}
         dtype, weights = checkpoint_dtype(run_info["config"]["model"]), {}
-        if not lora or optimizer is None:
-            weights = {name: value for name, value in plain_weights(policy, dtype, "cpu") if rank == 0}
+        exported = not lora or optimizer is None  # the model: in final/, and in a step's folder but a LoRA run's
+        if exported and (rank == 0 or isinstance(hf_model, FSDPModule)):  # FSDP's gathers: every rank, rank 0 keeps
+            weights = {name: value for name, value in plain_weights(policy, dtype, "cpu" if rank == 0 else None)
+                       if rank == 0}
         if rank == 0:
             if lora:
                 hf_model.save_pretrained(tmp / "adapter", state_dict=adapters)

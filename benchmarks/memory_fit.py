@@ -128,17 +128,23 @@ def phases(run: dict, card: float) -> dict[str, float]:
     held = 4 * trained / S + 2 * frozen / S
     adam = 8 * trained / S
     copies = 2 * (shape.embedding_params + 2 * shape.layer_params) if args.fsdp else 2 * trained
-    a = 2 * (12 * H + 4 * shape.intermediate) + 16 * H
-    activations = L * tokens * 4 * H + tokens * a if args.gradient_checkpointing else L * tokens * a
-    head = 24 * tokens * shape.vocab if tokens * shape.vocab <= 2**27 else 0.8 * GB
     buckets = 4 * trained if run["world_size"] > 1 and not args.fsdp else 0
-    update = held + adam + copies + 4 * trained / S + buckets + activations + head
+    update = held + adam + copies + 4 * trained / S + buckets + activations(shape, tokens, args.gradient_checkpointing)
     kv_cache = 2 * L * shape.kv_heads * shape.head_dim * seq * 2 * max(run["rollout"], 256 if args.eval_every else 0)
     engine = args.vllm_gpu_memory * card if args.vllm else 0
     sampling = held + adam + (engine if args.vllm else copies + kv_cache)
     asleep = 2 * N if args.vllm and args.vllm_keep_weights else 0
     largest_tensor = 4 * shape.vocab * H if args.fsdp else 0
     return {"loading": held + largest_tensor + engine, "sampling": sampling, "update": update + asleep}
+
+
+def activations(shape: Shape, tokens: int, checkpointing: bool) -> float:
+    """Bytes the update keeps for its backward over `tokens` positions: the layers' activations, the head's logits."""
+    L, H = shape.layers, shape.hidden
+    a = 2 * (12 * H + 4 * shape.intermediate) + 16 * H
+    layers = L * tokens * 4 * H + tokens * a if checkpointing else L * tokens * a
+    logits = tokens * shape.vocab if tokens * shape.vocab <= 2**27 else 2**25
+    return layers + 24 * logits
 
 
 def estimate(command: str, card_gb: float = 80, nodes: int = 1, prompt_length: int = 512) -> tuple[dict, str]:
@@ -212,13 +218,8 @@ def measure_one(layers: int, hidden: int, intermediate: int, batch: int, seq: in
     optimizer.step()
     measured = peak_memory_gb(cpu) * 2**30 - base
     shape, tokens = Shape("tiny", layers, hidden, intermediate, 4, 2, vocab=vocab), batch * seq
-    N, H = shape.params, hidden
-    a = 2 * (12 * H + 4 * intermediate) + 16 * H
-    activations = layers * tokens * 4 * H + tokens * a if checkpointing else layers * tokens * a
-    # the logits (bf16, then fp32) and their temporaries, kept for the backward below get_logprobs' threshold
-    head = 24 * tokens * vocab if tokens * vocab <= 2**27 else 6 * 4 * (2**25 // vocab) * vocab
-    predicted = 16 * N + 2 * N + 2 * N + activations + head  # held and AdamW, the reference, copies
-    print(f"{measured / GB:.4f} {predicted / GB:.4f} {N}")
+    predicted = 20 * shape.params + activations(shape, tokens, checkpointing)  # trained 16, ref. 2, casts 2
+    print(f"{measured / GB:.4f} {predicted / GB:.4f} {shape.params}")
 
 
 def check() -> None:
