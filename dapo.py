@@ -43,39 +43,45 @@ import tyro
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import (
-    Logger,
     UsageError,
-    add_lora,
     add_metrics,
     all_reduce,
     cat_rollouts,
-    check_flags,
-    cleanup_distributed,
-    cli,
     evaluate,
     format_prompt,
     generate,
     get_logprobs,
-    load_model,
-    load_task,
-    load_vllm,
     micro_batches,
     no_sync,
     print0,
     prompt_batch,
-    require,
     reweighted,
     rollout_logprobs,
     rollout_weights,
     sampler_logprob_gap,
     score,
     select_rows,
-    setup_distributed,
-    shard_model,
     step_metrics,
     timed,
 )
-from harness import claim_run_dir, clip_grad_norm, load_checkpoint, prepare_run_dir, save_checkpoint
+from harness import (
+    Logger,
+    add_lora,
+    check_flags,
+    claim_run_dir,
+    cleanup_distributed,
+    cli,
+    clip_grad_norm,
+    load_checkpoint,
+    load_model,
+    load_task,
+    load_vllm,
+    prepare_run_dir,
+    require,
+    save_checkpoint,
+    setup_distributed,
+    shard_model,
+)
 
 # ---------------------------------------------------------------------------------------------
 # 1. Config
@@ -333,25 +339,40 @@ def main(args: Args) -> None:
     require(args.std_eps >= 0, "--std-eps", args.std_eps, ">= 0")
     require(args.max_gen_rounds >= 1, "--max-gen-rounds", args.max_gen_rounds, ">= 1")
     if not 0 <= args.overlong_buffer <= args.max_new_tokens:
-        raise UsageError(f"--overlong-buffer {args.overlong_buffer} must be between 0 and --max-new-tokens "
-                         f"({args.max_new_tokens}): the penalty ramps over the last N tokens (0: none).")
+        raise UsageError(
+            f"--overlong-buffer {args.overlong_buffer} must be between 0 and --max-new-tokens "
+            f"({args.max_new_tokens}): the penalty ramps over the last N tokens (0: none)."
+        )
     # ---
     rank, args.world_size, device = setup_distributed(args.dist_timeout)
     run_info = {"algorithm": Path(__file__).name, "config": asdict(args)}  # recorded in every checkpoint
     run_dir, resume_dir = prepare_run_dir(run_info, rank)  # where it writes, and from what it resumes
-    tokenizer, train_set, eval_set, exact, reward_fn, env = load_task(args)  # before any model: bad input fails fast
+    task = load_task(args)  # the data, its scoring and environment, before any model: bad input fails fast
+    tokenizer = task.tokenizer
 
     # Seeded alike on every rank while loading (new weights, e.g. LoRA's, are the same), then by rank (own samples).
     torch.manual_seed(args.seed)
-    policy = load_model(args.model, args.dtype, device, tokenizer, gradient_checkpointing=args.gradient_checkpointing,
-                        trained=args.lora_rank == 0, sharded=args.fsdp, lm_head_fp32=args.lm_head_fp32)
+    policy = load_model(
+        args.model,
+        args.dtype,
+        device,
+        tokenizer,
+        gradient_checkpointing=args.gradient_checkpointing,
+        trained=args.lora_rank == 0,
+        sharded=args.fsdp,
+        lm_head_fp32=args.lm_head_fp32,
+    )
     policy = add_lora(policy, args.lora_rank, args.lora_alpha, args.lora_targets)  # as it is with --lora-rank 0
     if args.fsdp:  # sharded in place; FSDP2 averages gradients over ranks, as DDP does
         shard_model(policy, device, args.dtype)
     torch.manual_seed(args.seed + rank)
     # --- algorithm: what the optimizer trains: the policy ---
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
-                                  fused=True)  # one kernel for all the weights
+    optimizer = torch.optim.AdamW(
+        policy.parameters(),
+        lr=args.learning_rate,
+        weight_decay=args.weight_decay,
+        fused=True,  # one kernel for all the weights
+    )
     trained = {"policy": policy}  # saved to and restored from checkpoints
     # ---
     start_step, state = load_checkpoint(resume_dir, trained, optimizer, rank)  # state: the algorithm's, per rank
@@ -361,8 +382,8 @@ def main(args: Args) -> None:
     # What the update calls: DDP averages gradients over ranks (FSDP2 has sharded in place: nothing to wrap).
     wrapped = {name: DDP(m) if args.world_size > 1 and not args.fsdp else m for name, m in trained.items()}
     model = wrapped["policy"]
-    cut = (args.micro_batch_size, args.max_tokens_per_micro_batch, args.group_size)  # micro_batches' limits
-    # The sampler: model.generate, or a vLLM engine on this rank's device that gets the policy's weights
+    # The sampler: model.generate, or a vLLM engine on this rank's device, which gets the policy's weights at its
+    # first call after an optimizer step (a hook on `optimizer`)
     vllm = load_vllm(args, rank, optimizer)
     claim_run_dir(run_dir, resume_dir, rank)  # created and locked: from here on this run writes there
     logger = Logger(run_dir, asdict(args), rank, args.track, args.num_steps)
@@ -371,25 +392,43 @@ def main(args: Args) -> None:
     for step in range(start_step, args.num_steps):
         step_start, times, metrics = time.perf_counter(), {}, {}
         if args.eval_every and step % args.eval_every == 0:
-            metrics = evaluate(policy, tokenizer, eval_set, args.chat_template, exact, args.max_new_tokens, args.seed,
-                               vllm=vllm, env=env)
+            metrics = evaluate(policy, task, args.chat_template, args.max_new_tokens, args.seed, vllm=vllm)
 
         # --- algorithm: 1-3. dynamic sampling: the groups with mixed correctness are kept, and fresh prompts
         # drawn until every rank has its share. Every rank runs the same number of rounds (decided on
         # all-reduced counts), or the collectives below would deadlock.
         sampled, times["gen"] = [], 0.0  # (rollout, rewards, components, keep) of each round
         for gen_round in range(1, args.max_gen_rounds + 1):
-            batch = prompt_batch(train_set, state["draw"], args.prompts_per_step, rank, args.world_size, args.seed)
+            batch = prompt_batch(task.train, state["draw"], args.prompts_per_step, rank, args.world_size, args.seed)
             state["draw"] += 1
             prompts = [format_prompt(tokenizer, e["prompt"], args.chat_template) for e in batch]
             with timed(times, "gen"):
-                rollout = generate(policy, tokenizer, prompts, args.group_size, args.max_new_tokens, args.temperature,
-                               vllm=vllm, env=env, rows=batch)
-            rewards, components = score(batch, rollout.texts, args.group_size, exact, args.format_weight, reward_fn,
-                                        args.reward_fn, rollout.env_return)
-            rewards = rewards + components["correct"] - 1  # correctness as +1 / -1 (the paper's), not 1 / 0
+                rollout = generate(
+                    policy,
+                    tokenizer,
+                    prompts,
+                    args.group_size,
+                    args.max_new_tokens,
+                    args.temperature,
+                    vllm=vllm,
+                    env=task.env,
+                    rows=batch,
+                )
+            rewards, components = score(
+                batch,
+                rollout.texts,
+                args.group_size,
+                task.exact_match,
+                args.format_weight,
+                task.reward_fn,
+                args.reward_fn,
+                rollout.env_return,
+            )
+            # Correctness counted twice, less 1: +1 right, -1 wrong (the paper's rule reward) instead of score's 1 / 0
+            rewards = rewards + components["correct"] - 1
             components["overlong"] = overlong_penalty(
-                rollout.response_mask.sum(-1), args.max_new_tokens, args.overlong_buffer)
+                rollout.response_mask.sum(-1), args.max_new_tokens, args.overlong_buffer
+            )
             rewards = rewards + components["overlong"]
             keep = filter_groups(components["correct"], args.group_size).repeat_interleave(args.group_size)  # (B,)
             sampled.append((rollout, rewards, components, keep))
@@ -398,8 +437,10 @@ def main(args: Args) -> None:
             if num_kept >= args.local_prompts_per_step:
                 break
         if num_kept < args.local_prompts_per_step:
-            print0(f"step {step}: dynamic sampling kept {num_kept * args.world_size} of {args.prompts_per_step} "
-                   f"groups in {args.max_gen_rounds} rounds (--max-gen-rounds); training on those")
+            print0(
+                f"step {step}: dynamic sampling kept {num_kept * args.world_size} of {args.prompts_per_step} "
+                f"groups in {args.max_gen_rounds} rounds (--max-gen-rounds); training on those"
+            )
         # Every completion sampled this step (what the logs describe), and the batch trained on: the first
         # kept groups, exactly as many on every rank (the step's share, or all that the budget gave).
         rollout = cat_rollouts([r for r, *_ in sampled], tokenizer.pad_token_id)
@@ -423,8 +464,17 @@ def main(args: Args) -> None:
         old_in_pass_1 = args.num_minibatches == 1
         # ---
         with timed(times, "logprobs"):
-            b_old_logprobs = (torch.zeros_like(b_response_mask) if old_in_pass_1  # (B, T), filled in by pass 1
-                              else rollout_logprobs(model, b_rollout, args.temperature, *cut))
+            if old_in_pass_1:
+                b_old_logprobs = torch.zeros_like(b_response_mask)  # (B, T), filled in by pass 1
+            else:
+                b_old_logprobs = rollout_logprobs(
+                    model,
+                    b_rollout,
+                    args.temperature,
+                    micro_batch_size=args.micro_batch_size,
+                    max_tokens=args.max_tokens_per_micro_batch,
+                    group_size=args.group_size,
+                )
 
         # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
         update_start, update_metrics = time.perf_counter(), {}  # (sum, count) of each metric: `add_metrics`
@@ -440,23 +490,48 @@ def main(args: Args) -> None:
             for start in range(0, len(b_ids), minibatch_size):  # none when the batch is empty
                 mb_idx = b_order[start : start + minibatch_size].sort().values  # sorted: a group's rows together
                 # --- algorithm: the loss is a mean over the step's response tokens, on every rank; micro-batches ---
+                # Counted over every rank, then / ranks: DDP averages the ranks' gradients, so the ranks' losses,
+                # each divided by this, average to the step's mean
                 num_tokens = all_reduce(b_response_mask[mb_idx].sum()).clamp(min=1) / args.world_size
-                parts = micro_batches(mb_idx, b_attention_mask, b_rollout.prompt_length, *cut)  # as many on every rank
+                # Micro-batches up to the token budget, as many on every rank: a forward with FSDP and a
+                # gradient sync with DDP are collective
+                parts = micro_batches(
+                    mb_idx,
+                    b_attention_mask,
+                    b_rollout.prompt_length,
+                    micro_batch_size=args.micro_batch_size,
+                    max_tokens=args.max_tokens_per_micro_batch,
+                    group_size=args.group_size,
+                )
                 # ---
                 for k, idx in enumerate(parts):
                     # Gradients are synced over ranks once per optimizer step, on the last micro-batch.
                     with no_sync(wrapped.values(), last=k == len(parts) - 1):
-                        logprobs, entropy = get_logprobs(model, b_ids[idx], b_attention_mask[idx],
-                                                         b_rollout.prompt_length, args.temperature)
-                        b_old_logprobs[idx] = logprobs.detach() if old_in_pass_1 and epoch == 0 else b_old_logprobs[idx]
+                        logprobs, entropy = get_logprobs(
+                            model, b_ids[idx], b_attention_mask[idx], b_rollout.prompt_length, args.temperature
+                        )
+                        if old_in_pass_1 and epoch == 0:  # the weights before this rollout's first step: pi_old
+                            b_old_logprobs[idx] = logprobs.detach()
                         # The rollout correction: each token's loss weighted by pi_old / pi_sampler (None: off)
-                        weights = rollout_weights(b_old_logprobs[idx], b_rollout.sampler_logprobs[idx],
-                                                  b_response_mask[idx], args.rollout_correction, args.correction_cap)
+                        weights = rollout_weights(
+                            b_old_logprobs[idx],
+                            b_rollout.sampler_logprobs[idx],
+                            b_response_mask[idx],
+                            args.rollout_correction,
+                            args.correction_cap,
+                        )
+                        # The same values (what the ratio, clip and KL see), each token's gradient times its weight
                         logprobs = reweighted(logprobs, weights)
                         # --- algorithm: the DAPO loss ---
                         loss, mb_metrics = compute_loss(
-                            logprobs, b_old_logprobs[idx], b_advantages[idx], b_response_mask[idx], num_tokens,
-                            args.clip_eps_low, args.clip_eps_high)
+                            logprobs,
+                            b_old_logprobs[idx],
+                            b_advantages[idx],
+                            b_response_mask[idx],
+                            num_tokens,
+                            args.clip_eps_low,
+                            args.clip_eps_high,
+                        )
                         # ---
                         loss.backward()
                     mb_metrics["policy/entropy"] = ((entropy * b_response_mask[idx]).sum(), b_response_mask[idx].sum())
@@ -469,20 +544,38 @@ def main(args: Args) -> None:
 
         # --- algorithm: the sampler guard, on the completions this policy sampled ---
         # Were they drawn from the distribution the loss assumes? (the gap is ~1e-6 in fp32)
-        metrics.update(sampler_logprob_gap(b_rollout.sampler_logprobs, b_old_logprobs, b_rollout.response_mask,
-                                           args.rollout_correction, args.correction_cap))
+        metrics.update(
+            sampler_logprob_gap(
+                b_rollout.sampler_logprobs,
+                b_old_logprobs,
+                b_rollout.response_mask,
+                args.rollout_correction,
+                args.correction_cap,
+            )
+        )
         # ---
 
         # 7. log, evaluate, checkpoint
         metrics.update(update_metrics)
         logger.log(step, {**metrics, **step_metrics(rewards, components, rollout, times, step_start)})
         if args.save_every and (step + 1) % args.save_every == 0:
-            save_checkpoint(run_dir / f"step_{step + 1}", trained, tokenizer, rank, run_info, optimizer, step + 1,
-                            state, args.keep_checkpoints)
+            save_checkpoint(
+                run_dir / f"step_{step + 1}",
+                trained,
+                tokenizer,
+                rank,
+                run_info,
+                optimizer,
+                step + 1,
+                state,
+                args.keep_checkpoints,
+            )
 
     if args.eval_every:
-        logger.log(args.num_steps, evaluate(policy, tokenizer, eval_set, args.chat_template, exact,
-                                            args.max_new_tokens, args.seed, vllm=vllm, env=env))
+        logger.log(
+            args.num_steps,
+            evaluate(policy, task, args.chat_template, args.max_new_tokens, args.seed, vllm=vllm),
+        )
     save_checkpoint(run_dir / "final", trained, tokenizer, rank, run_info, step=args.num_steps)
     print0(f"done: {run_dir / 'final'}")
     logger.close()

@@ -60,41 +60,47 @@ import tyro
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import (
-    Logger,
     UsageError,
-    add_lora,
     add_metrics,
     all_reduce,
     cat_rollouts,
-    check_flags,
-    cleanup_distributed,
-    cli,
     evaluate,
-    exact_div,
     format_prompt,
     generate,
     get_logprobs,
-    load_model,
-    load_task,
-    load_vllm,
     micro_batches,
     no_sync,
     pack,
     print0,
     prompt_batch,
-    require,
     reweighted,
     rollout_logprobs,
     rollout_weights,
     sampler_logprob_gap,
     score,
     select_rows,
-    setup_distributed,
-    shard_model,
     step_metrics,
     timed,
 )
-from harness import claim_run_dir, clip_grad_norm, load_checkpoint, prepare_run_dir, save_checkpoint
+from harness import (
+    Logger,
+    add_lora,
+    check_flags,
+    claim_run_dir,
+    cleanup_distributed,
+    cli,
+    clip_grad_norm,
+    exact_div,
+    load_checkpoint,
+    load_model,
+    load_task,
+    load_vllm,
+    prepare_run_dir,
+    require,
+    save_checkpoint,
+    setup_distributed,
+    shard_model,
+)
 
 # ---------------------------------------------------------------------------------------------
 # 1. Config
@@ -329,16 +335,24 @@ def update_beta(beta: float, kl: float, target_kl: float, initial: float) -> flo
     return beta
 
 
-def given_rollout(tokenizer, prompts: list[str], completions: list[str], max_new_tokens: int,
-                  device: torch.device):
+def given_rollout(tokenizer, prompts: list[str], completions: list[str], max_new_tokens: int, device: torch.device):
     """--demos-per-group's rows: a Rollout of given completions (one per formatted prompt), as `common.generate` would
     return it had it sampled them: each with EOS after it, cut at `max_new_tokens` (then truncated). Nothing sampled
     them: their sampler log-probs are 0."""
-    ids = [x[:max_new_tokens] for x in tokenizer([c + tokenizer.eos_token for c in completions],
-                                                  add_special_tokens=False).input_ids]
-    return pack(tokenizer, tokenizer(prompts, add_special_tokens=False).input_ids, ids, [[1] * len(x) for x in ids],
-                [[0.0] * len(x) for x in ids], tokenizer.batch_decode(ids, skip_special_tokens=True),
-                [x[-1] != tokenizer.eos_token_id for x in ids], device=device)
+    ids = [
+        x[:max_new_tokens]
+        for x in tokenizer([c + tokenizer.eos_token for c in completions], add_special_tokens=False).input_ids
+    ]
+    return pack(
+        tokenizer,
+        tokenizer(prompts, add_special_tokens=False).input_ids,
+        ids,
+        [[1] * len(x) for x in ids],
+        [[0.0] * len(x) for x in ids],
+        tokenizer.batch_decode(ids, skip_special_tokens=True),
+        [x[-1] != tokenizer.eos_token_id for x in ids],
+        device=device,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -352,36 +366,68 @@ def main(args: Args) -> None:
     require(args.group_size >= 2, "--group-size", args.group_size, ">= 2 (a group advantage needs 2 completions)")
     require(args.beta > 0, "--beta", args.beta, "> 0 (the implicit reward is beta times the log-ratio)")
     require(args.reuse_steps >= 0, "--reuse-steps", args.reuse_steps, ">= 0")
-    require(0 <= args.demos_per_group < args.group_size, "--demos-per-group", args.demos_per_group,
-            f"in [0, --group-size {args.group_size}) (each group samples at least one completion)")
-    require(not (args.demos_per_group and args.env), "--demos-per-group", args.demos_per_group, "0 with --env and "
-            "--task guess (an episode has no demonstration)")
-    require(args.target_kl is None or args.target_kl > 0, "--target-kl", args.target_kl,
-            "> 0 nats per completion (or leave it out to keep --beta fixed)")
+    require(
+        0 <= args.demos_per_group < args.group_size,
+        "--demos-per-group",
+        args.demos_per_group,
+        f"in [0, --group-size {args.group_size}) (each group samples at least one completion)",
+    )
+    require(
+        not (args.demos_per_group and args.env),
+        "--demos-per-group",
+        args.demos_per_group,
+        "0 with --env and --task guess (an episode has no demonstration)",
+    )
+    require(
+        args.target_kl is None or args.target_kl > 0,
+        "--target-kl",
+        args.target_kl,
+        "> 0 nats per completion (or leave it out to keep --beta fixed)",
+    )
     # A replayed group is trained at K+1 steps: --updates-per-rollout counts the passes over it in all, not at each
     # step (two a step over replayed groups, four over each, collapsed on the default task: docs/gvpo.md)
     args.updates_per_rollout = max(1, args.updates_per_rollout // (args.reuse_steps + 1))
-    exact_div(args.minibatch_size, args.group_size, "--num-minibatches must split the sequences per rank into "
-              "whole groups (a multiple of --group-size)")
-    exact_div(args.micro_batch_size, args.group_size, "--micro-batch-size must be a multiple of --group-size: "
-              "a group's loss needs all its completions in one micro-batch")
+    exact_div(
+        args.minibatch_size,
+        args.group_size,
+        "--num-minibatches must split the sequences per rank into whole groups (a multiple of --group-size)",
+    )
+    exact_div(
+        args.micro_batch_size,
+        args.group_size,
+        "--micro-batch-size must be a multiple of --group-size: "
+        "a group's loss needs all its completions in one micro-batch",
+    )
     # ---
     rank, args.world_size, device = setup_distributed(args.dist_timeout)
     run_info = {"algorithm": Path(__file__).name, "config": asdict(args)}  # recorded in every checkpoint
     run_dir, resume_dir = prepare_run_dir(run_info, rank)  # where it writes, and from what it resumes
-    tokenizer, train_set, eval_set, exact, reward_fn, env = load_task(args)  # before any model: bad input fails fast
+    task = load_task(args)  # the data, its scoring and environment, before any model: bad input fails fast
+    tokenizer = task.tokenizer
 
     # Seeded alike on every rank while loading (new weights, e.g. LoRA's, are the same), then by rank (own samples).
     torch.manual_seed(args.seed)
-    policy = load_model(args.model, args.dtype, device, tokenizer, gradient_checkpointing=args.gradient_checkpointing,
-                        trained=args.lora_rank == 0, sharded=args.fsdp, lm_head_fp32=args.lm_head_fp32)
+    policy = load_model(
+        args.model,
+        args.dtype,
+        device,
+        tokenizer,
+        gradient_checkpointing=args.gradient_checkpointing,
+        trained=args.lora_rank == 0,
+        sharded=args.fsdp,
+        lm_head_fp32=args.lm_head_fp32,
+    )
     policy = add_lora(policy, args.lora_rank, args.lora_alpha, args.lora_targets)  # as it is with --lora-rank 0
     if args.fsdp:  # sharded in place; FSDP2 averages gradients over ranks, as DDP does
         shard_model(policy, device, args.dtype)
     torch.manual_seed(args.seed + rank)
     # --- algorithm: what the optimizer trains: the policy ---
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
-                                  fused=True)  # one kernel for all the weights
+    optimizer = torch.optim.AdamW(
+        policy.parameters(),
+        lr=args.learning_rate,
+        weight_decay=args.weight_decay,
+        fused=True,  # one kernel for all the weights
+    )
     trained = {"policy": policy}  # saved to and restored from checkpoints
     # ---
     start_step, state = load_checkpoint(resume_dir, trained, optimizer, rank)  # state: the algorithm's, per rank
@@ -395,8 +441,8 @@ def main(args: Args) -> None:
     # What the update calls: DDP averages gradients over ranks (FSDP2 has sharded in place: nothing to wrap).
     wrapped = {name: DDP(m) if args.world_size > 1 and not args.fsdp else m for name, m in trained.items()}
     model = wrapped["policy"]
-    cut = (args.micro_batch_size, args.max_tokens_per_micro_batch, args.group_size)  # micro_batches' limits
-    # The sampler: model.generate, or a vLLM engine on this rank's device that gets the policy's weights
+    # The sampler: model.generate, or a vLLM engine on this rank's device, which gets the policy's weights at its
+    # first call after an optimizer step (a hook on `optimizer`)
     vllm = load_vllm(args, rank, optimizer)
     claim_run_dir(run_dir, resume_dir, rank)  # created and locked: from here on this run writes there
     logger = Logger(run_dir, asdict(args), rank, args.track, args.num_steps)
@@ -405,25 +451,45 @@ def main(args: Args) -> None:
     for step in range(start_step, args.num_steps):
         step_start, times, metrics = time.perf_counter(), {}, {}
         if args.eval_every and step % args.eval_every == 0:
-            metrics = evaluate(policy, tokenizer, eval_set, args.chat_template, exact, args.max_new_tokens, args.seed,
-                               vllm=vllm, env=env)
+            metrics = evaluate(policy, task, args.chat_template, args.max_new_tokens, args.seed, vllm=vllm)
 
         # --- algorithm: 1-3. one group of G completions for each of the step's prompts, scored ---
-        batch = prompt_batch(train_set, step, args.prompts_per_step, rank, args.world_size, args.seed)  # this rank's
+        batch = prompt_batch(task.train, step, args.prompts_per_step, rank, args.world_size, args.seed)  # this rank's
         prompts = [format_prompt(tokenizer, e["prompt"], args.chat_template) for e in batch]
         sampled, k = args.group_size - args.demos_per_group, args.demos_per_group
         with timed(times, "gen"):  # stored contiguously by group: rows j*G .. j*G+G-1
-            rollout = generate(policy, tokenizer, prompts, sampled, args.max_new_tokens, args.temperature, vllm=vllm,
-                               env=env, rows=batch)
+            rollout = generate(
+                policy,
+                tokenizer,
+                prompts,
+                sampled,
+                args.max_new_tokens,
+                args.temperature,
+                vllm=vllm,
+                env=task.env,
+                rows=batch,
+            )
         if k:  # mixed data: each group's last k rows are the example's worked completion, not sampled
-            demos = given_rollout(tokenizer, [p for p in prompts for _ in range(k)],
-                                  [e.get("demo", e["answer"]) for e in batch for _ in range(k)], args.max_new_tokens,
-                                  device)
+            demos = given_rollout(
+                tokenizer,
+                [p for p in prompts for _ in range(k)],
+                [e.get("demo", e["answer"]) for e in batch for _ in range(k)],
+                args.max_new_tokens,
+                device,
+            )
             j = torch.arange(len(batch))[:, None]  # group j: its sampled rows, then its demonstrations
             rows = torch.cat([j * sampled + torch.arange(sampled), len(batch) * sampled + j * k + torch.arange(k)], 1)
             rollout = select_rows(cat_rollouts([rollout, demos], tokenizer.pad_token_id), rows.view(-1))
-        rewards, components = score(batch, rollout.texts, args.group_size, exact, args.format_weight, reward_fn,
-                                    args.reward_fn, rollout.env_return)
+        rewards, components = score(
+            batch,
+            rollout.texts,
+            args.group_size,
+            task.exact_match,
+            args.format_weight,
+            task.reward_fn,
+            args.reward_fn,
+            rollout.env_return,
+        )
 
         # 4. advantages, on the fresh groups and those replayed from the last --reuse-steps steps
         b_rollout = cat_rollouts([rollout] + [r for r, _, _ in state["replay"]], tokenizer.pad_token_id)
@@ -436,10 +502,15 @@ def main(args: Args) -> None:
         # sampler, 1.
         n, T = rollout.response_mask.shape[0], b_rollout.response_mask.shape[1]
         b_sampled_now = (torch.arange(len(b_rewards), device=device) < n) & ~b_is_demo  # (B,) this step's samples
-        b_kept_weights = torch.cat([torch.ones(n, T, device=device)] + [  # (B, T), 1 after a row's end, and on a
-            torch.ones(len(r), T, device=device) if w is None else  # group of a step that ran without the correction
-            torch.nn.functional.pad(w, (0, T - w.shape[1]), value=1.0) for _, r, w in state["replay"]]
-        ) if args.rollout_correction != "none" else None
+        b_kept_weights = None  # (B, T) each replayed row's correction weights, 1 after its end
+        if args.rollout_correction != "none":
+            kept = [torch.ones(n, T, device=device)]  # this step's rows: weighted below, as they are sampled now
+            for _, replayed, weights in state["replay"]:
+                if weights is None:  # a group of a step that ran without the correction
+                    kept.append(torch.ones(len(replayed), T, device=device))
+                else:
+                    kept.append(torch.nn.functional.pad(weights, (0, T - weights.shape[1]), value=1.0))
+            b_kept_weights = torch.cat(kept)
         # The old log-probs below are the anchor: the policy at the start of the step, for every group, replayed
         # ones included, so a_i always measures the move away from the current anchor.
         # ---
@@ -451,8 +522,17 @@ def main(args: Args) -> None:
         old_in_pass_1 = args.num_minibatches == 1
         # ---
         with timed(times, "logprobs"):
-            b_old_logprobs = (torch.zeros_like(b_response_mask) if old_in_pass_1  # (B, T), filled in by pass 1
-                              else rollout_logprobs(model, b_rollout, args.temperature, *cut))
+            if old_in_pass_1:
+                b_old_logprobs = torch.zeros_like(b_response_mask)  # (B, T), filled in by pass 1
+            else:
+                b_old_logprobs = rollout_logprobs(
+                    model,
+                    b_rollout,
+                    args.temperature,
+                    micro_batch_size=args.micro_batch_size,
+                    max_tokens=args.max_tokens_per_micro_batch,
+                    group_size=args.group_size,
+                )
 
         # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
         update_start, update_metrics = time.perf_counter(), {}  # (sum, count) of each metric: `add_metrics`
@@ -467,26 +547,53 @@ def main(args: Args) -> None:
                 # --- algorithm: the loss is a mean over the step's groups (as many on every rank), each whole in
                 # a micro-batch ---
                 num_groups = len(mb_idx) // args.group_size
-                parts = micro_batches(mb_idx, b_attention_mask, b_rollout.prompt_length, *cut, whole=True)
+                # Micro-batches up to the token budget, as many on every rank: a forward with FSDP and a
+                # gradient sync with DDP are collective
+                parts = micro_batches(
+                    mb_idx,
+                    b_attention_mask,
+                    b_rollout.prompt_length,
+                    micro_batch_size=args.micro_batch_size,
+                    max_tokens=args.max_tokens_per_micro_batch,
+                    group_size=args.group_size,
+                    whole_groups=True,
+                )
                 # ---
                 for k, idx in enumerate(parts):
                     # Gradients are synced over ranks once per optimizer step, on the last micro-batch.
                     with no_sync(wrapped.values(), last=k == len(parts) - 1):
-                        logprobs, entropy = get_logprobs(model, b_ids[idx], b_attention_mask[idx],
-                                                         b_rollout.prompt_length, args.temperature)
-                        b_old_logprobs[idx] = logprobs.detach() if old_in_pass_1 and epoch == 0 else b_old_logprobs[idx]
+                        logprobs, entropy = get_logprobs(
+                            model, b_ids[idx], b_attention_mask[idx], b_rollout.prompt_length, args.temperature
+                        )
+                        if old_in_pass_1 and epoch == 0:  # the weights before this rollout's first step: pi_old
+                            b_old_logprobs[idx] = logprobs.detach()
                         # The rollout correction: each token's loss weighted by pi_old / pi_sampler (None: off)
-                        weights = rollout_weights(b_old_logprobs[idx], b_rollout.sampler_logprobs[idx],
-                                                  b_response_mask[idx], args.rollout_correction, args.correction_cap)
+                        weights = rollout_weights(
+                            b_old_logprobs[idx],
+                            b_rollout.sampler_logprobs[idx],
+                            b_response_mask[idx],
+                            args.rollout_correction,
+                            args.correction_cap,
+                        )
                         # --- algorithm: the weights of this step's samples; the replayed and demos' kept ---
-                        weights = None if weights is None else torch.where(b_sampled_now[idx, None], weights,
-                                                                           b_kept_weights[idx])
+                        weights = (
+                            None
+                            if weights is None
+                            else torch.where(b_sampled_now[idx, None], weights, b_kept_weights[idx])
+                        )
                         # ---
+                        # The same values (what the ratio, clip and KL see), each token's gradient times its weight
                         logprobs = reweighted(logprobs, weights)
                         # --- algorithm: the GVPO loss ---
                         loss, mb_metrics = compute_loss(
-                            logprobs, b_old_logprobs[idx], b_advantages[idx], b_response_mask[idx], num_groups,
-                            args.group_size, state["beta"])
+                            logprobs,
+                            b_old_logprobs[idx],
+                            b_advantages[idx],
+                            b_response_mask[idx],
+                            num_groups,
+                            args.group_size,
+                            state["beta"],
+                        )
                         # Adapted, beta sets only the pull toward the anchor: the MSE's gradient is beta times
                         # (b - beta (a - mean a)) grad log pi, and Adam's memory of the gradient's scale (~1000 steps)
                         # would make a smaller beta also a smaller step. Divided by beta, it is the weight form.
@@ -502,14 +609,29 @@ def main(args: Args) -> None:
         times["update"] = time.perf_counter() - update_start
         # --- algorithm: this step's groups, kept for the next --reuse-steps steps; --target-kl's next beta ---
         L = rollout.response_mask.shape[1]
-        kept = rollout_weights(b_old_logprobs[:n, :L], rollout.sampler_logprobs, rollout.response_mask,
-                               args.rollout_correction, args.correction_cap)
+        kept = rollout_weights(
+            b_old_logprobs[:n, :L],
+            rollout.sampler_logprobs,
+            rollout.response_mask,
+            args.rollout_correction,
+            args.correction_cap,
+        )
         kept = None if kept is None else torch.where(b_sampled_now[:n, None], kept, 1.0)
         state["replay"] = ([(rollout, rewards, kept)] + state["replay"])[: args.reuse_steps]
         metrics["algo/beta"] = state["beta"]
         if args.target_kl:  # the next step's beta, from KL(pi_anchor || pi_theta) on this step's own samples
             with torch.no_grad():  # a forward pass more, of the updated policy
-                log_ratio = rollout_logprobs(model, b_rollout, args.temperature, *cut) - b_old_logprobs
+                log_ratio = (
+                    rollout_logprobs(
+                        model,
+                        b_rollout,
+                        args.temperature,
+                        micro_batch_size=args.micro_batch_size,
+                        max_tokens=args.max_tokens_per_micro_batch,
+                        group_size=args.group_size,
+                    )
+                    - b_old_logprobs
+                )
             kl = ((log_ratio.exp() - 1 - log_ratio) * b_response_mask).sum(-1)[b_sampled_now]  # (n,) k3 per completion
             kl_sum, count = all_reduce(torch.stack([kl.sum(), kl.new_tensor(len(kl))])).tolist()
             metrics["algo/kl_to_anchor"] = kl_sum / max(count, 1)
@@ -523,20 +645,38 @@ def main(args: Args) -> None:
         rows = b_sampled_now[:n].nonzero().squeeze(-1)
         rollout, rewards = select_rows(rollout, rows), rewards[rows.cpu()]
         components = {name: value[rows.cpu()] for name, value in components.items()}
-        metrics.update(sampler_logprob_gap(rollout.sampler_logprobs, b_old_logprobs[rows, :L], rollout.response_mask,
-                                           args.rollout_correction, args.correction_cap))
+        metrics.update(
+            sampler_logprob_gap(
+                rollout.sampler_logprobs,
+                b_old_logprobs[rows, :L],
+                rollout.response_mask,
+                args.rollout_correction,
+                args.correction_cap,
+            )
+        )
         # ---
 
         # 7. log, evaluate, checkpoint
         metrics.update(update_metrics)
         logger.log(step, {**metrics, **step_metrics(rewards, components, rollout, times, step_start)})
         if args.save_every and (step + 1) % args.save_every == 0:
-            save_checkpoint(run_dir / f"step_{step + 1}", trained, tokenizer, rank, run_info, optimizer, step + 1,
-                            state, args.keep_checkpoints)
+            save_checkpoint(
+                run_dir / f"step_{step + 1}",
+                trained,
+                tokenizer,
+                rank,
+                run_info,
+                optimizer,
+                step + 1,
+                state,
+                args.keep_checkpoints,
+            )
 
     if args.eval_every:
-        logger.log(args.num_steps, evaluate(policy, tokenizer, eval_set, args.chat_template, exact,
-                                            args.max_new_tokens, args.seed, vllm=vllm, env=env))
+        logger.log(
+            args.num_steps,
+            evaluate(policy, task, args.chat_template, args.max_new_tokens, args.seed, vllm=vllm),
+        )
     save_checkpoint(run_dir / "final", trained, tokenizer, rank, run_info, step=args.num_steps)
     print0(f"done: {run_dir / 'final'}")
     logger.close()

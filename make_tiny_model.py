@@ -24,7 +24,8 @@ import tyro
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from common import GUESS, TASKS, builtin_splits, correctness_reward, evaluate, format_prompt, generate, load_object
+from common import correctness_reward, evaluate, format_prompt, generate
+from harness import GUESS, TASKS, builtin_splits, load_object
 
 Guess = load_object(GUESS, "--task guess", "class")  # examples/guess.py: the game's environment, as RL plays it
 
@@ -90,8 +91,10 @@ def warm_up_game(row: dict, rng: random.Random) -> list[dict]:
     messages, (lo, hi), before = [{"role": "user", "content": row["prompt"]}], (0, 99), (0, 99)
     for _ in range(7):
         if kind == "scan":
-            guess = rng.randrange(100) if guess is None else \
-                min(hi, max(lo, guess + (step if answer == "higher" else -step)))
+            if guess is None:
+                guess = rng.randrange(100)
+            else:
+                guess = min(hi, max(lo, guess + (step if answer == "higher" else -step)))
         else:
             guess = {"bisect": (lo + hi) // 2, "random": rng.randint(lo, hi), "ignore": rng.randint(*before)}[kind]
         answer, _, done = game.step(str(guess))
@@ -111,14 +114,20 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character
     tok.decoder = decoders.Fuse()  # join characters back without spaces
     tok.add_special_tokens(SPECIAL_TOKENS)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>",
-                                   chat_template=CHAT_TEMPLATE, padding_side="left")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<|pad|>",
+        eos_token="<|im_end|>",
+        chat_template=CHAT_TEMPLATE,
+        padding_side="left",
+    )
 
 
 def sft_batch(tokenizer, examples: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prompt + answer + EOS, left-padded; labels only on the answer and EOS."""
-    prompts = [tokenizer(format_prompt(tokenizer, e["prompt"], True), add_special_tokens=False).input_ids
-               for e in examples]
+    prompts = [
+        tokenizer(format_prompt(tokenizer, e["prompt"], True), add_special_tokens=False).input_ids for e in examples
+    ]
     answers = [tokenizer(e["answer"] + tokenizer.eos_token, add_special_tokens=False).input_ids for e in examples]
     width = max(len(p) + len(a) for p, a in zip(prompts, answers))
     ids = torch.full((len(examples), width), tokenizer.pad_token_id)
@@ -162,8 +171,9 @@ def play_guess(model, tokenizer, rows: list[dict], greedy: bool) -> dict[str, fl
     bounds, history = [(0, 99)] * len(rows), [[] for _ in rows]  # lo..hi; each game's (guess, lo, hi) a turn
     running, won = list(range(len(rows))), 0
     for _ in range(7):
-        contexts = [tokenizer.apply_chat_template(messages[i], add_generation_prompt=True, tokenize=False)
-                    for i in running]
+        contexts = [
+            tokenizer.apply_chat_template(messages[i], add_generation_prompt=True, tokenize=False) for i in running
+        ]
         for i, text in zip(running, generate(model, tokenizer, contexts, 1, 8, 1.0, greedy).texts):
             guess, (lo, hi) = int(text) if text.strip().isdigit() else -1, bounds[i]  # -1: as Guess.step reads it
             history[i].append((guess, lo, hi))
@@ -179,11 +189,16 @@ def play_guess(model, tokenizer, rows: list[dict], greedy: bool) -> dict[str, fl
     inside, middle = (lambda g, lo, hi: lo <= g <= hi), (lambda g, lo, hi: g == (lo + hi) // 2)
     later, turns = [t for h in history for t in h[1:]], [t for h in history for t in h]
     same_step = [abs(c[0] - b[0]) == abs(b[0] - a[0]) for h in history for a, b, c in zip(h, h[1:], h[2:])]
-    return {"success": won / len(rows), "turns": len(turns) / len(rows), "inside": mean(inside(*t) for t in later),
-            "inside_uniform": mean((hi - lo + 1) / 100 for _, lo, hi in later),
-            "midpoint": mean(middle(*t) for t in turns), "same_step": mean(same_step),
-            "games_all_midpoint": mean(all(middle(*t) for t in h) for h in history),
-            "games_all_inside": mean(all(inside(*t) for t in h) for h in history)}
+    return {
+        "success": won / len(rows),
+        "turns": len(turns) / len(rows),
+        "inside": mean(inside(*t) for t in later),
+        "inside_uniform": mean((hi - lo + 1) / 100 for _, lo, hi in later),
+        "midpoint": mean(middle(*t) for t in turns),
+        "same_step": mean(same_step),
+        "games_all_midpoint": mean(all(middle(*t) for t in h) for h in history),
+        "games_all_inside": mean(all(inside(*t) for t in h) for h in history),
+    }
 
 
 def main(args: Args) -> None:
@@ -195,10 +210,19 @@ def main(args: Args) -> None:
     torch.manual_seed(args.seed)
     tokenizer = make_tokenizer()
     config = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=args.hidden_size, intermediate_size=3 * args.hidden_size,
-        num_hidden_layers=args.num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        max_position_embeddings=positions, tie_word_embeddings=True, attention_dropout=0.0,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden_size,
+        intermediate_size=3 * args.hidden_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=positions,
+        tie_word_embeddings=True,
+        attention_dropout=0.0,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
     )
     model = Qwen3ForCausalLM(config)
     print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocabulary {len(tokenizer)}")
@@ -213,9 +237,15 @@ def main(args: Args) -> None:
         if args.task == "guess":
             ids, mask, labels = chat_batch(tokenizer, [warm_up_game(train[i], completions) for i in idx])
         else:
-            examples = [train[i] if args.task == "add" else
-                        {"prompt": train[i]["prompt"], "answer": warm_up_completion(
-                            [int(n) for n in train[i]["prompt"].split("+")], completions)} for i in idx]
+            examples = [
+                train[i]
+                if args.task == "add"
+                else {
+                    "prompt": train[i]["prompt"],
+                    "answer": warm_up_completion([int(n) for n in train[i]["prompt"].split("+")], completions),
+                }
+                for i in idx
+            ]
             ids, mask, labels = sft_batch(tokenizer, examples)
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         loss = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, labels=labels).loss
@@ -232,13 +262,17 @@ def main(args: Args) -> None:
     if args.task == "guess":  # a game of turns, played here (evaluate grades one completion)
         torch.manual_seed(1234)
         sampled, greedy = (play_guess(model, tokenizer, eval_set, flag) for flag in (False, True))
-        metrics = {**{f"eval/{k}": v for k, v in sampled.items()},
-                   **{f"eval/{k}_greedy": greedy[k] for k in ("success", "turns", "inside", "midpoint")}}
+        metrics = {
+            **{f"eval/{k}": v for k, v in sampled.items()},
+            **{f"eval/{k}_greedy": greedy[k] for k in ("success", "turns", "inside", "midpoint")},
+        }
     else:
         metrics = evaluate(model, tokenizer, eval_set, True, True, max_new_tokens, seed=1234)
         prompts = [format_prompt(tokenizer, e["prompt"], True) for e in eval_set]
         texts = generate(model, tokenizer, prompts, 8, max_new_tokens, 1.0).texts
-        right = correctness_reward(texts, [e["answer"] for e in eval_set for _ in range(8)], exact=True).view(-1, 8)
+        right = correctness_reward(texts, [e["answer"] for e in eval_set for _ in range(8)], exact_match=True).view(
+            -1, 8
+        )
         metrics["eval/pass@8"] = right.max(-1).values.mean().item()
     print(" | ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
     model.save_pretrained(output_dir)

@@ -44,40 +44,46 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoModel, AutoModelForSequenceClassification
 
 from common import (
-    Logger,
     UsageError,
-    add_lora,
     add_metrics,
     all_reduce,
-    check_flags,
-    cleanup_distributed,
-    cli,
     evaluate,
     format_prompt,
     generate,
     get_logprobs,
-    load_model,
-    load_reference,
-    load_task,
-    load_tokenizer,
-    load_vllm,
     micro_batches,
     no_sync,
     print0,
     prompt_batch,
-    require,
     response_hidden_states,
     reweighted,
     rollout_logprobs,
     rollout_weights,
     sampler_logprob_gap,
     score,
-    setup_distributed,
-    shard_model,
     step_metrics,
     timed,
 )
-from harness import claim_run_dir, clip_grad_norm, load_checkpoint, prepare_run_dir, save_checkpoint
+from harness import (
+    Logger,
+    add_lora,
+    check_flags,
+    claim_run_dir,
+    cleanup_distributed,
+    cli,
+    clip_grad_norm,
+    load_checkpoint,
+    load_model,
+    load_reference,
+    load_task,
+    load_tokenizer,
+    load_vllm,
+    prepare_run_dir,
+    require,
+    save_checkpoint,
+    setup_distributed,
+    shard_model,
+)
 
 # ---------------------------------------------------------------------------------------------
 # 1. Config
@@ -297,26 +303,41 @@ def load_reward_model(name: str, dtype: str, device: torch.device):
     tokenizer = load_tokenizer(name, "--reward-model")
     model = load_model(name, dtype, device, tokenizer, AutoModelForSequenceClassification, trained=False)
     if model.config.num_labels != 1:
-        raise UsageError(f"--reward-model {name!r}: has {model.config.num_labels} outputs; a reward model has one "
-                         "(AutoModelForSequenceClassification with num_labels=1).")
+        raise UsageError(
+            f"--reward-model {name!r}: has {model.config.num_labels} outputs; a reward model has one "
+            "(AutoModelForSequenceClassification with num_labels=1)."
+        )
     return model.eval().requires_grad_(False), tokenizer
 
 
 @torch.no_grad()
-def reward_model_scores(reward_model, tokenizer, prompts: list[str], completions: list[str], ended: torch.Tensor,
-                        chat_template: bool, batch_size: int) -> torch.Tensor:
+def reward_model_scores(
+    reward_model,
+    tokenizer,
+    prompts: list[str],
+    completions: list[str],
+    ended: torch.Tensor,
+    chat_template: bool,
+    batch_size: int,
+) -> torch.Tensor:
     """Scores (B,) of prompt + completion (+ EOS where the completion `ended` with it), re-tokenized with
     the reward model's own tokenizer and read at the last token: left padding puts it in the last column,
     where the sequence-classification head picks the last non-pad token."""
-    texts = [format_prompt(tokenizer, p, chat_template) + c + ((tokenizer.eos_token or "") if e else "")
-             for p, c, e in zip(prompts, completions, ended.tolist())]
+    texts = [
+        format_prompt(tokenizer, p, chat_template) + c + ((tokenizer.eos_token or "") if e else "")
+        for p, c, e in zip(prompts, completions, ended.tolist())
+    ]
     device, scores = next(reward_model.parameters()).device, []
     for i in range(0, len(texts), batch_size):
         enc = tokenizer(texts[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
         mask = enc["attention_mask"].to(device)
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens start at 0
-        scores.append(reward_model(input_ids=enc["input_ids"].to(device), attention_mask=mask,
-                                   position_ids=position_ids).logits[:, 0].float().cpu())
+        scores.append(
+            reward_model(input_ids=enc["input_ids"].to(device), attention_mask=mask, position_ids=position_ids)
+            .logits[:, 0]
+            .float()
+            .cpu()
+        )
     return torch.cat(scores)
 
 
@@ -381,8 +402,9 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, reduce=lambda sums: sums, eps: f
     return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
-def update_kl_coef(beta: float, observed_kl: float, target_kl: float, num_sequences: int,
-                   horizon: int = 10000) -> float:
+def update_kl_coef(
+    beta: float, observed_kl: float, target_kl: float, num_sequences: int, horizon: int = 10000
+) -> float:
     """Ziegler et al.'s adaptive KL controller: raise beta when the KL to the reference (per completion)
     is above target, lower it when below, by at most 20% of num_sequences / horizon per call."""
     error = min(max(observed_kl / target_kl - 1, -0.2), 0.2)
@@ -465,20 +487,37 @@ def main(args: Args) -> None:
     require(0 <= args.lam <= 1, "--lam", args.lam, "in [0, 1]")
     require(args.value_clip_eps > 0, "--value-clip-eps", args.value_clip_eps, "> 0")
     require(args.vf_coef >= 0, "--vf-coef", args.vf_coef, ">= 0")
-    require(args.critic_learning_rate is None or args.critic_learning_rate > 0, "--critic-learning-rate",
-            args.critic_learning_rate, "> 0 (or left out: --learning-rate)")
-    require(not (args.reward_model and args.env), "--reward-model", args.reward_model, "left out with --env and "
-            "--task guess (single-turn: an environment scores its episodes)")
+    require(
+        args.critic_learning_rate is None or args.critic_learning_rate > 0,
+        "--critic-learning-rate",
+        args.critic_learning_rate,
+        "> 0 (or left out: --learning-rate)",
+    )
+    require(
+        not (args.reward_model and args.env),
+        "--reward-model",
+        args.reward_model,
+        "left out with --env and --task guess (single-turn: an environment scores its episodes)",
+    )
     # ---
     rank, args.world_size, device = setup_distributed(args.dist_timeout)
     run_info = {"algorithm": Path(__file__).name, "config": asdict(args)}  # recorded in every checkpoint
     run_dir, resume_dir = prepare_run_dir(run_info, rank)  # where it writes, and from what it resumes
-    tokenizer, train_set, eval_set, exact, reward_fn, env = load_task(args)  # before any model: bad input fails fast
+    task = load_task(args)  # the data, its scoring and environment, before any model: bad input fails fast
+    tokenizer = task.tokenizer
 
     # Seeded alike on every rank while loading (new weights, e.g. LoRA's, are the same), then by rank (own samples).
     torch.manual_seed(args.seed)
-    policy = load_model(args.model, args.dtype, device, tokenizer, gradient_checkpointing=args.gradient_checkpointing,
-                        trained=args.lora_rank == 0, sharded=args.fsdp, lm_head_fp32=args.lm_head_fp32)
+    policy = load_model(
+        args.model,
+        args.dtype,
+        device,
+        tokenizer,
+        gradient_checkpointing=args.gradient_checkpointing,
+        trained=args.lora_rank == 0,
+        sharded=args.fsdp,
+        lm_head_fp32=args.lm_head_fp32,
+    )
     policy = add_lora(policy, args.lora_rank, args.lora_alpha, args.lora_targets)  # as it is with --lora-rank 0
     if args.fsdp:  # sharded in place; FSDP2 averages gradients over ranks, as DDP does
         shard_model(policy, device, args.dtype)
@@ -487,28 +526,47 @@ def main(args: Args) -> None:
     reward_model = rm_tokenizer = None
     if args.reward_model:
         reward_model, rm_tokenizer = load_reward_model(args.reward_model, args.dtype, device)
-        if not rm_tokenizer.chat_template and any(isinstance(e["prompt"], list) for e in train_set + eval_set):
-            raise UsageError(f"--reward-model {args.reward_model!r}: its tokenizer has no chat template for the "
-                             "prompts' chat messages. Pass a reward model that has one, or give the prompts as text.")
+        if not rm_tokenizer.chat_template and any(isinstance(e["prompt"], list) for e in task.train + task.held_out):
+            raise UsageError(
+                f"--reward-model {args.reward_model!r}: its tokenizer has no chat template for the "
+                "prompts' chat messages. Pass a reward model that has one, or give the prompts as text."
+            )
     # The critic reads the policy's token ids, so its backbone must share the policy's tokenizer.
     critic_path = args.critic_model or args.reward_model or args.model
-    flag = "--critic-model" if args.critic_model else "--reward-model" if args.reward_model else "--model"
+    flag = "--model"
+    if args.critic_model or args.reward_model:
+        flag = "--critic-model" if args.critic_model else "--reward-model"
     if critic_path != args.model and load_tokenizer(critic_path, flag).get_vocab() != tokenizer.get_vocab():
-        raise UsageError(f"{flag} {critic_path!r}: its tokenizer differs from --model's, and the critic reads the "
-                         "policy's tokens. Pass --critic-model with a model that shares --model's tokenizer "
-                         "(e.g. --critic-model <the --model path>).")
+        raise UsageError(
+            f"{flag} {critic_path!r}: its tokenizer differs from --model's, and the critic reads the "
+            "policy's tokens. Pass --critic-model with a model that shares --model's tokenizer "
+            "(e.g. --critic-model <the --model path>)."
+        )
     torch.manual_seed(args.seed)
-    critic = Critic(load_model(critic_path, args.dtype, device, tokenizer, AutoModel, sharded=args.fsdp,
-                               gradient_checkpointing=args.gradient_checkpointing))  # trained: held in fp32
+    backbone = load_model(  # trained: held in fp32, as the policy
+        critic_path,
+        args.dtype,
+        device,
+        tokenizer,
+        AutoModel,
+        sharded=args.fsdp,
+        gradient_checkpointing=args.gradient_checkpointing,
+    )
+    critic = Critic(backbone)
     if args.fsdp:
         shard_model(critic, device, args.dtype)
     # ---
     torch.manual_seed(args.seed + rank)
     # --- algorithm: what the optimizer trains: the policy and the critic (its own learning rate) ---
-    optimizer = torch.optim.AdamW([
-        {"params": policy.parameters()},
-        {"params": critic.parameters(), "lr": args.critic_learning_rate or args.learning_rate},
-    ], lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)  # one kernel for all the weights
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": policy.parameters()},
+            {"params": critic.parameters(), "lr": args.critic_learning_rate or args.learning_rate},
+        ],
+        lr=args.learning_rate,
+        weight_decay=args.weight_decay,
+        fused=True,  # one kernel for all the weights
+    )
     trained = {"policy": policy, "critic": critic}  # saved to and restored from checkpoints
     # ---
     start_step, state = load_checkpoint(resume_dir, trained, optimizer, rank)  # state: the algorithm's, per rank
@@ -518,8 +576,8 @@ def main(args: Args) -> None:
     # What the update calls: DDP averages gradients over ranks (FSDP2 has sharded in place: nothing to wrap).
     wrapped = {name: DDP(m) if args.world_size > 1 and not args.fsdp else m for name, m in trained.items()}
     model = wrapped["policy"]
-    cut = (args.micro_batch_size, args.max_tokens_per_micro_batch, args.group_size)  # micro_batches' limits
-    # The sampler: model.generate, or a vLLM engine on this rank's device that gets the policy's weights
+    # The sampler: model.generate, or a vLLM engine on this rank's device, which gets the policy's weights at its
+    # first call after an optimizer step (a hook on `optimizer`)
     vllm = load_vllm(args, rank, optimizer)
     # --- algorithm: the critic, as the update calls it ---
     critic_model = wrapped["critic"]
@@ -531,23 +589,45 @@ def main(args: Args) -> None:
     for step in range(start_step, args.num_steps):
         step_start, times, metrics = time.perf_counter(), {}, {}
         if args.eval_every and step % args.eval_every == 0:
-            metrics = evaluate(policy, tokenizer, eval_set, args.chat_template, exact, args.max_new_tokens, args.seed,
-                               vllm=vllm, env=env)
+            metrics = evaluate(policy, task, args.chat_template, args.max_new_tokens, args.seed, vllm=vllm)
 
         # --- algorithm: 1-3. one group of G completions for each of the step's prompts, scored by the rule-based
         # reward or by the reward model (the rule's parts are still logged)
-        batch = prompt_batch(train_set, step, args.prompts_per_step, rank, args.world_size, args.seed)  # this rank's
+        batch = prompt_batch(task.train, step, args.prompts_per_step, rank, args.world_size, args.seed)  # this rank's
         prompts = [format_prompt(tokenizer, e["prompt"], args.chat_template) for e in batch]
         with timed(times, "gen"):  # stored contiguously by group: rows j*G .. j*G+G-1
-            rollout = generate(policy, tokenizer, prompts, args.group_size, args.max_new_tokens, args.temperature,
-                               vllm=vllm, env=env, rows=batch)
-        rewards, components = score(batch, rollout.texts, args.group_size, exact, args.format_weight, reward_fn,
-                                    args.reward_fn, rollout.env_return)
+            rollout = generate(
+                policy,
+                tokenizer,
+                prompts,
+                args.group_size,
+                args.max_new_tokens,
+                args.temperature,
+                vllm=vllm,
+                env=task.env,
+                rows=batch,
+            )
+        rewards, components = score(
+            batch,
+            rollout.texts,
+            args.group_size,
+            task.exact_match,
+            args.format_weight,
+            task.reward_fn,
+            args.reward_fn,
+            rollout.env_return,
+        )
         if reward_model is not None:
             group_prompts = [e["prompt"] for e in batch for _ in range(args.group_size)]
             rewards = components["model"] = reward_model_scores(
-                reward_model, rm_tokenizer, group_prompts, rollout.texts, ~rollout.truncated, args.chat_template,
-                args.micro_batch_size)
+                reward_model,
+                rm_tokenizer,
+                group_prompts,
+                rollout.texts,
+                ~rollout.truncated,
+                args.chat_template,
+                args.micro_batch_size,
+            )
         b_rollout = rollout  # the batch to train on: here every completion sampled
         # ---
         b_ids, b_attention_mask = b_rollout.input_ids, b_rollout.attention_mask  # (B, P+T)
@@ -558,38 +638,81 @@ def main(args: Args) -> None:
         old_in_pass_1 = args.num_minibatches == 1 and ref_policy is None
         # ---
         with timed(times, "logprobs"):
-            b_old_logprobs = (torch.zeros_like(b_response_mask) if old_in_pass_1  # (B, T), filled in by pass 1
-                              else rollout_logprobs(model, b_rollout, args.temperature, *cut))
+            if old_in_pass_1:
+                b_old_logprobs = torch.zeros_like(b_response_mask)  # (B, T), filled in by pass 1
+            else:
+                b_old_logprobs = rollout_logprobs(
+                    model,
+                    b_rollout,
+                    args.temperature,
+                    micro_batch_size=args.micro_batch_size,
+                    max_tokens=args.max_tokens_per_micro_batch,
+                    group_size=args.group_size,
+                )
             # --- algorithm: the reference model's log-probs, for the KL penalty, and the critic's old values ---
             b_ref_logprobs = None
             if ref_policy is not None:
-                b_ref_logprobs = rollout_logprobs(ref_policy, b_rollout, args.temperature, *cut)
+                b_ref_logprobs = rollout_logprobs(
+                    ref_policy,
+                    b_rollout,
+                    args.temperature,
+                    micro_batch_size=args.micro_batch_size,
+                    max_tokens=args.max_tokens_per_micro_batch,
+                    group_size=args.group_size,
+                )
             b_old_values = torch.zeros_like(b_response_mask)  # (B, T)
             all_rows = torch.arange(len(b_ids), device=device)
-            for idx in micro_batches(all_rows, b_attention_mask, b_rollout.prompt_length, *cut):
+            for idx in micro_batches(
+                all_rows,
+                b_attention_mask,
+                b_rollout.prompt_length,
+                micro_batch_size=args.micro_batch_size,
+                max_tokens=args.max_tokens_per_micro_batch,
+                group_size=args.group_size,
+            ):
                 with torch.no_grad():
                     b_old_values[idx] = critic_model(b_ids[idx], b_attention_mask[idx], b_rollout.prompt_length)
             # ---
 
         # --- algorithm: 4. advantages, after the log-probs and values they need: per-token rewards (the score at
         # the end, the KL penalty on every token), GAE, whitened over the whole batch (sums over ranks)
-        b_rewards, b_kl = compute_rewards(rewards.to(device), rollout.truncated.to(device), b_old_logprobs,
-                                          b_ref_logprobs, b_response_mask, state["beta"], args.no_eos_score)
+        b_rewards, b_kl = compute_rewards(
+            rewards.to(device),
+            rollout.truncated.to(device),
+            b_old_logprobs,
+            b_ref_logprobs,
+            b_response_mask,
+            state["beta"],
+            args.no_eos_score,
+        )
         b_advantages, b_returns = compute_advantages(b_rewards, b_old_values, b_response_mask, args.gamma, args.lam)
         b_advantages = whiten(b_advantages, b_response_mask, all_reduce)
         kl_sum, num_sequences = all_reduce(torch.stack([b_kl.sum(), b_kl.new_tensor(len(b_kl))]))
         value, residual, target = (x * b_response_mask for x in (b_old_values, b_returns - b_old_values, b_returns))
-        n, value_sum, residual_sum, residual_sq, target_sum, target_sq = all_reduce(torch.stack([  # every rank's tokens
-            b_response_mask.sum(), value.sum(), residual.sum(), (residual**2).sum(), target.sum(), (target**2).sum()]))
-        metrics.update({
-            "algo/kl": kl_sum / num_sequences,  # k1 KL to the reference, nats per completion
-            "algo/beta": state["beta"],
-            "algo/value_mean": value_sum / n,
-            "algo/explained_variance": 1 - (residual_sq - residual_sum**2 / n) / (target_sq - target_sum**2 / n),
-        })
+        n, value_sum, residual_sum, residual_sq, target_sum, target_sq = all_reduce(
+            torch.stack(
+                [  # every rank's tokens
+                    b_response_mask.sum(),
+                    value.sum(),
+                    residual.sum(),
+                    (residual**2).sum(),
+                    target.sum(),
+                    (target**2).sum(),
+                ]
+            )
+        )
+        metrics.update(
+            {
+                "algo/kl": kl_sum / num_sequences,  # k1 KL to the reference, nats per completion
+                "algo/beta": state["beta"],
+                "algo/value_mean": value_sum / n,
+                "algo/explained_variance": 1 - (residual_sq - residual_sum**2 / n) / (target_sq - target_sum**2 / n),
+            }
+        )
         if args.target_kl:  # the coefficient for the next step, from the whole batch's KL
-            state["beta"] = update_kl_coef(state["beta"], (kl_sum / num_sequences).item(), args.target_kl,
-                                           int(num_sequences))
+            state["beta"] = update_kl_coef(
+                state["beta"], (kl_sum / num_sequences).item(), args.target_kl, int(num_sequences)
+            )
         # ---
 
         # 6. update: updates_per_rollout passes x num_minibatches optimizer steps x micro-batches
@@ -602,25 +725,53 @@ def main(args: Args) -> None:
             for start in range(0, len(b_ids), minibatch_size):  # none when the batch is empty
                 mb_idx = b_order[start : start + minibatch_size].sort().values  # sorted: a group's rows together
                 # --- algorithm: the loss is a sum over the step's response tokens, over every rank; micro-batches ---
+                # Counted over every rank, then / ranks: DDP averages the ranks' gradients, so the ranks' losses,
+                # each divided by this, average to the step's mean
                 num_tokens = all_reduce(b_response_mask[mb_idx].sum()) / args.world_size
-                parts = micro_batches(mb_idx, b_attention_mask, b_rollout.prompt_length, *cut)  # as many on every rank
+                # Micro-batches up to the token budget, as many on every rank: a forward with FSDP and a
+                # gradient sync with DDP are collective
+                parts = micro_batches(
+                    mb_idx,
+                    b_attention_mask,
+                    b_rollout.prompt_length,
+                    micro_batch_size=args.micro_batch_size,
+                    max_tokens=args.max_tokens_per_micro_batch,
+                    group_size=args.group_size,
+                )
                 # ---
                 for k, idx in enumerate(parts):
                     # Gradients are synced over ranks once per optimizer step, on the last micro-batch.
                     with no_sync(wrapped.values(), last=k == len(parts) - 1):
-                        logprobs, entropy = get_logprobs(model, b_ids[idx], b_attention_mask[idx],
-                                                         b_rollout.prompt_length, args.temperature)
-                        b_old_logprobs[idx] = logprobs.detach() if old_in_pass_1 and epoch == 0 else b_old_logprobs[idx]
+                        logprobs, entropy = get_logprobs(
+                            model, b_ids[idx], b_attention_mask[idx], b_rollout.prompt_length, args.temperature
+                        )
+                        if old_in_pass_1 and epoch == 0:  # the weights before this rollout's first step: pi_old
+                            b_old_logprobs[idx] = logprobs.detach()
                         # The rollout correction: each token's loss weighted by pi_old / pi_sampler (None: off)
-                        weights = rollout_weights(b_old_logprobs[idx], b_rollout.sampler_logprobs[idx],
-                                                  b_response_mask[idx], args.rollout_correction, args.correction_cap)
+                        weights = rollout_weights(
+                            b_old_logprobs[idx],
+                            b_rollout.sampler_logprobs[idx],
+                            b_response_mask[idx],
+                            args.rollout_correction,
+                            args.correction_cap,
+                        )
+                        # The same values (what the ratio, clip and KL see), each token's gradient times its weight
                         logprobs = reweighted(logprobs, weights)
                         # --- algorithm: the PPO loss: clipped surrogate and clipped value loss ---
                         values = critic_model(b_ids[idx], b_attention_mask[idx], b_rollout.prompt_length)  # (b, T)
                         loss, mb_metrics = compute_loss(
-                            logprobs, b_old_logprobs[idx], b_advantages[idx], values, b_old_values[idx],
-                            b_returns[idx], b_response_mask[idx], num_tokens, args.clip_eps, args.value_clip_eps,
-                            args.vf_coef)
+                            logprobs,
+                            b_old_logprobs[idx],
+                            b_advantages[idx],
+                            values,
+                            b_old_values[idx],
+                            b_returns[idx],
+                            b_response_mask[idx],
+                            num_tokens,
+                            args.clip_eps,
+                            args.value_clip_eps,
+                            args.vf_coef,
+                        )
                         # ---
                         loss.backward()
                     mb_metrics["policy/entropy"] = ((entropy * b_response_mask[idx]).sum(), b_response_mask[idx].sum())
@@ -637,20 +788,38 @@ def main(args: Args) -> None:
 
         # --- algorithm: the sampler guard, on the completions this policy sampled ---
         # Were they drawn from the distribution the loss assumes? (the gap is ~1e-6 in fp32)
-        metrics.update(sampler_logprob_gap(b_rollout.sampler_logprobs, b_old_logprobs, b_rollout.response_mask,
-                                           args.rollout_correction, args.correction_cap))
+        metrics.update(
+            sampler_logprob_gap(
+                b_rollout.sampler_logprobs,
+                b_old_logprobs,
+                b_rollout.response_mask,
+                args.rollout_correction,
+                args.correction_cap,
+            )
+        )
         # ---
 
         # 7. log, evaluate, checkpoint
         metrics.update(update_metrics)
         logger.log(step, {**metrics, **step_metrics(rewards, components, rollout, times, step_start)})
         if args.save_every and (step + 1) % args.save_every == 0:
-            save_checkpoint(run_dir / f"step_{step + 1}", trained, tokenizer, rank, run_info, optimizer, step + 1,
-                            state, args.keep_checkpoints)
+            save_checkpoint(
+                run_dir / f"step_{step + 1}",
+                trained,
+                tokenizer,
+                rank,
+                run_info,
+                optimizer,
+                step + 1,
+                state,
+                args.keep_checkpoints,
+            )
 
     if args.eval_every:
-        logger.log(args.num_steps, evaluate(policy, tokenizer, eval_set, args.chat_template, exact,
-                                            args.max_new_tokens, args.seed, vllm=vllm, env=env))
+        logger.log(
+            args.num_steps,
+            evaluate(policy, task, args.chat_template, args.max_new_tokens, args.seed, vllm=vllm),
+        )
     save_checkpoint(run_dir / "final", trained, tokenizer, rank, run_info, step=args.num_steps)
     print0(f"done: {run_dir / 'final'}")
     logger.close()

@@ -11,6 +11,7 @@ Each run is 1 + --rounds steps, the first left out. Printed from its metrics.jso
 sampling, sampled tokens per second, peak memory, the update's TFLOP/s (`update_flops` over perf/update_s) and, on a
 GPU, its MFU (over --peak-tflops); the sampler gap, and with --vllm what the rollout correction did.
 """
+
 import importlib.util
 import json
 import statistics
@@ -27,24 +28,49 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from benchmarks.lockstep import ROOT, UPDATES_PER_ROLLOUT, Shape, compare, print_comparison, save_with_offline_tokenizer
 from benchmarks.memory_fit import SHAPES as MODEL_SHAPES
 from benchmarks.memory_fit import Shape as ModelShape
-from common import format_prompt, load_tokenizer
+from common import format_prompt
+from harness import load_tokenizer
 
-SAMPLERS = {"generate": [], "generate_fp32_head": ["--lm-head-fp32"], "vllm": ["--vllm"],
-            "vllm_fp32_head": ["--vllm", "--lm-head-fp32"], "vllm_weights_freed": ["--vllm", "--no-vllm-keep-weights"]}
+SAMPLERS = {
+    "generate": [],
+    "generate_fp32_head": ["--lm-head-fp32"],
+    "vllm": ["--vllm"],
+    "vllm_fp32_head": ["--vllm", "--lm-head-fp32"],
+    "vllm_weights_freed": ["--vllm", "--no-vllm-keep-weights"],
+}
 # Qwen2.5-0.5B's and 1.5B's shapes (memory_fit's), and the CPU check's (vLLM's CPU attention takes heads of 32)
-SHAPES = {"0.5b": MODEL_SHAPES["Qwen2.5-0.5B"], "1.5b": MODEL_SHAPES["Qwen2.5-1.5B"],
-          "tiny": ModelShape("tiny", 2, 64, 128, 2, 1, tied=True)}
+SHAPES = {
+    "0.5b": MODEL_SHAPES["Qwen2.5-0.5B"],
+    "1.5b": MODEL_SHAPES["Qwen2.5-1.5B"],
+    "tiny": ModelShape("tiny", 2, 64, 128, 2, 1, tied=True),
+}
 
 
 def qwen_config(s: ModelShape) -> Qwen2Config:
-    return Qwen2Config(vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                       hidden_act="silu", use_sliding_window=False, tie_word_embeddings=True, hidden_size=s.hidden,
-                       intermediate_size=s.intermediate, num_hidden_layers=s.layers, num_attention_heads=s.heads,
-                       num_key_value_heads=s.kv_heads)
+    return Qwen2Config(
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        use_sliding_window=False,
+        tie_word_embeddings=True,
+        hidden_size=s.hidden,
+        intermediate_size=s.intermediate,
+        num_hidden_layers=s.layers,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+    )
 
 
-def update_flops(config, num_sequences: int, sequence_length: int, response_length: int,
-                 causal: bool = True, prompts: int | None = None) -> float:
+def update_flops(
+    config,
+    num_sequences: int,
+    sequence_length: int,
+    response_length: int,
+    causal: bool = True,
+    prompts: int | None = None,
+) -> float:
     """Model FLOPs of a forward + backward (2 forwards) of grpo.py's update over `num_sequences` sequences of
     `sequence_length` tokens, `response_length` scored; with `prompts`, that many shared prompt forwards (one per
     micro-batch: common.response_hidden_states), else each sequence whole. Attention: its causal half."""
@@ -90,18 +116,42 @@ def dataset(folder: Path, args: Args) -> None:
     tokenizer = load_tokenizer(str(folder / "model"))
     template = len(tokenizer(format_prompt(tokenizer, "", True), add_special_tokens=False).input_ids)
     generator = torch.Generator().manual_seed(0)
-    rows = [{"prompt": "".join(map(str, torch.randint(10, (args.prompt_length - template,), generator=generator)
-                                  .tolist())), "answer": "1"} for _ in range(4 * args.prompts)]
+    rows = [
+        {
+            "prompt": "".join(
+                map(str, torch.randint(10, (args.prompt_length - template,), generator=generator).tolist())
+            ),
+            "answer": "1",
+        }
+        for _ in range(4 * args.prompts)
+    ]
     (folder / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
 def grpo_rounds(folder: Path, args: Args, config, name: str) -> dict:
     """grpo.py's figures for --rounds rounds after a warm-up with sampler `name`, from its metrics.jsonl."""
-    command = [sys.executable, str(ROOT / "grpo.py"), "--model", str(folder / "model"), "--dataset",
-               str(folder / "prompts.jsonl"), "--eval-every", "0", "--eval-size", "0",
-               "--num-steps", str(1 + args.rounds), "--learning-rate", "1e-6", "--output-dir", str(folder / "runs"),
-               "--run-name", name, *SAMPLERS[name],
-               *Shape(args.prompts, args.group_size, args.new_tokens, args.micro_batch_size).flags()]
+    command = [
+        sys.executable,
+        str(ROOT / "grpo.py"),
+        "--model",
+        str(folder / "model"),
+        "--dataset",
+        str(folder / "prompts.jsonl"),
+        "--eval-every",
+        "0",
+        "--eval-size",
+        "0",
+        "--num-steps",
+        str(1 + args.rounds),
+        "--learning-rate",
+        "1e-6",
+        "--output-dir",
+        str(folder / "runs"),
+        "--run-name",
+        name,
+        *SAMPLERS[name],
+        *Shape(args.prompts, args.group_size, args.new_tokens, args.micro_batch_size).flags(),
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"error: grpo.py {' '.join(SAMPLERS[name])} failed:\n{result.stderr[-3000:]}")
@@ -110,11 +160,14 @@ def grpo_rounds(folder: Path, args: Args, config, name: str) -> dict:
     # micro-batches of whole groups: each group's prompt runs once
     flops = UPDATES_PER_ROLLOUT * update_flops(config, B, args.prompt_length + L, L, prompts=args.prompts)
     update_s = statistics.median(m["perf/update_s"] for m in steps)
-    figures = {"round_s": statistics.median(m["perf/step_s"] for m in steps),
-               "gen_s": statistics.median(m["perf/gen_s"] for m in steps),
-               "gen_tokens_per_s": statistics.median(m["response/length_mean"] * B / m["perf/gen_s"] for m in steps),
-               "update_s": update_s, "update_tflops_per_s": flops / update_s / 1e12,
-               "peak_mem_gb": max(m["perf/peak_mem_gb"] for m in steps)}
+    figures = {
+        "round_s": statistics.median(m["perf/step_s"] for m in steps),
+        "gen_s": statistics.median(m["perf/gen_s"] for m in steps),
+        "gen_tokens_per_s": statistics.median(m["response/length_mean"] * B / m["perf/gen_s"] for m in steps),
+        "update_s": update_s,
+        "update_tflops_per_s": flops / update_s / 1e12,
+        "peak_mem_gb": max(m["perf/peak_mem_gb"] for m in steps),
+    }
     if torch.cuda.is_available():
         figures["mfu"] = figures["update_tflops_per_s"] / args.peak_tflops
     keys = ("sampler_logprob_gap", "sampler_logprob_gap_max", "correction_weight_mean", "correction_truncated_frac")
@@ -124,38 +177,65 @@ def grpo_rounds(folder: Path, args: Args, config, name: str) -> dict:
 
 def main(args: Args) -> None:
     if args.device_check:
-        args.shapes, args.prompts, args.group_size, args.prompt_length, args.new_tokens, args.micro_batch_size, \
-            args.rounds = ["tiny"], 2, 2, 40, 8, 4, 1
+        (
+            args.shapes,
+            args.prompts,
+            args.group_size,
+            args.prompt_length,
+            args.new_tokens,
+            args.micro_batch_size,
+            args.rounds,
+        ) = ["tiny"], 2, 2, 40, 8, 4, 1
     has_vllm, gpu = importlib.util.find_spec("vllm") is not None, torch.cuda.is_available()
     device = "GPU " + torch.cuda.get_device_name() if gpu else "CPU"
-    print(f"{device}; {args.prompts} prompts of {args.prompt_length} tokens x {args.group_size} completions of "
-          f"{args.new_tokens} new tokens, micro-batches of {args.micro_batch_size}, {args.rounds} timed round(s) "
-          f"after a warm-up{'' if has_vllm else '; vLLM is not installed: generate only'}", flush=True)
+    print(
+        f"{device}; {args.prompts} prompts of {args.prompt_length} tokens x {args.group_size} completions of "
+        f"{args.new_tokens} new tokens, micro-batches of {args.micro_batch_size}, {args.rounds} timed round(s) "
+        f"after a warm-up{'' if has_vllm else '; vLLM is not installed: generate only'}",
+        flush=True,
+    )
     results = {shape: {} for shape in args.shapes}
     for shape in args.shapes:
         with tempfile.TemporaryDirectory() as tmp:
             folder, config = Path(tmp), qwen_config(SHAPES[shape])
             torch.manual_seed(0)
-            save_with_offline_tokenizer(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16),
-                                        folder / "model")
+            save_with_offline_tokenizer(
+                AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16), folder / "model"
+            )
             dataset(folder, args)
             # vllm_weights_freed on a GPU only: on a CPU vLLM never sleeps, so it would repeat the vllm run
-            for name in [n for n in SAMPLERS if (has_vllm or "--vllm" not in SAMPLERS[n])
-                         and (gpu or n != "vllm_weights_freed")]:
+            for name in [
+                n for n in SAMPLERS if (has_vllm or "--vllm" not in SAMPLERS[n]) and (gpu or n != "vllm_weights_freed")
+            ]:
                 figures = results[shape][name] = grpo_rounds(folder, args, config, name)
-                print(f"Qwen2.5-{shape} grpo.py {' '.join(SAMPLERS[name])}: " +
-                      ", ".join(f"{k} {v:.4g}" for k, v in figures.items()), flush=True)
+                print(
+                    f"Qwen2.5-{shape} grpo.py {' '.join(SAMPLERS[name])}: "
+                    + ", ".join(f"{k} {v:.4g}" for k, v in figures.items()),
+                    flush=True,
+                )
             if not (args.trl and importlib.util.find_spec("trl") and torch.cuda.is_available()):
                 print("grpo.py against TRL: not run (it needs trl and a GPU)", flush=True)
                 continue
             batch = Shape(args.prompts, args.group_size, args.new_tokens, args.micro_batch_size)
             for vllm in (False, True) if has_vllm else (False,):
-                result = compare("grpo", "trl", str(folder / "model"), batch, 2, 1, ["--vllm"] if vllm else [], 1,
-                                 str(folder / f"lockstep_{vllm}"), trl_vllm=vllm)
+                result = compare(
+                    "grpo",
+                    "trl",
+                    str(folder / "model"),
+                    batch,
+                    2,
+                    1,
+                    ["--vllm"] if vllm else [],
+                    1,
+                    str(folder / f"lockstep_{vllm}"),
+                    trl_vllm=vllm,
+                )
                 print_comparison(result, batch, 2, 1)
                 results[shape]["trl_vllm" if vllm else "trl"] = {
-                    "grpo_round_s": result["this"]["median_s"], "trl_round_s": result["other"]["median_s"],
-                    "ratio": result["ratio"]}
+                    "grpo_round_s": result["this"]["median_s"],
+                    "trl_round_s": result["other"]["median_s"],
+                    "ratio": result["ratio"],
+                }
     print(json.dumps(results))
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))

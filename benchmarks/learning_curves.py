@@ -19,6 +19,7 @@ rows (config, seed, step): `wall_s`, the training seconds so far (without evalua
 docs/metrics.md), of that step's rollout. Each finished run is appended at once and runs already there are skipped:
 an interrupted benchmark goes on where it stopped. --jobs N runs N at a time on cores/N threads each; a run on one
 thread gives the same digits again, on more the math library may take fewer when busy. The plot needs matplotlib."""
+
 import csv
 import importlib
 import json
@@ -40,23 +41,53 @@ import tyro
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ["grpo", "dapo", "cispo", "gvpo", "ppo", "drgrpo", "gspo", "rloo", "sapo", "dppo"]
 # The lab's variants (docs/lab.md says what each one probes)
-LAB_CONFIGS = {"chain": ["dapo --clip-eps-high 0.2", "dapo --overlong-buffer 0", "gvpo --reuse-steps 1 "
-                         "--updates-per-rollout 1", "gvpo --demos-per-group 2"],
-               "stress": ["dapo --clip-eps-high 0.2", "gvpo --target-kl 1", "grpo --beta 0", "sapo --beta 0.04",
-                          "sapo --tau-pos 10 --tau-neg 10.5"]}
+LAB_CONFIGS = {
+    "chain": [
+        "dapo --clip-eps-high 0.2",
+        "dapo --overlong-buffer 0",
+        "gvpo --reuse-steps 1 --updates-per-rollout 1",
+        "gvpo --demos-per-group 2",
+    ],
+    "stress": [
+        "dapo --clip-eps-high 0.2",
+        "gvpo --target-kl 1",
+        "grpo --beta 0",
+        "sapo --beta 0.04",
+        "sapo --tau-pos 10 --tau-neg 10.5",
+    ],
+}
 # steps, target held-out accuracy, flags (the chain task starts at ~0.27: 0.4 is ~5 evaluation standard errors above)
 CHAIN, GUESS = ["--task", "chain", "--prompts-per-step", "16"], ["--task", "guess", "--prompts-per-step", "8"]
-TASKS = {"add": (200, 0.7, []), "chain": (60, 0.4, CHAIN), "guess": (12, 0.5, GUESS + ["--eval-size", "100"]),
-         "stress": (60, 0.4, CHAIN + ["--num-minibatches", "8", "--eval-size", "250"])}
-ROLLOUT = {"reward_mean": "reward/mean", "correct": "reward/correct",  # column: metric of the rollout
-           "response_length": "response/length_mean", "length_correct": "response/length_correct",
-           "length_wrong": "response/length_wrong", "truncated_frac": "response/truncated_frac",
-           "entropy": "policy/entropy", "clipfrac_low": "policy/clipfrac_low", "clipfrac_high": "policy/clipfrac_high",
-           "self_correction_frac": "task/self_correction_frac", "turns": "env/turns",
-           "self_correction_accuracy": "task/self_correction_accuracy", "kept_groups_frac": "algo/kept_groups_frac",
-           "explained_variance": "algo/explained_variance", "step_s": "perf/step_s", "approx_kl": "policy/approx_kl",
-           "gradient_removed": "policy/gradient_removed", "gate_weight": "policy/gate_weight", "beta": "algo/beta",
-           "maskfrac": "policy/maskfrac", "band_clipfrac": "policy/band_clipfrac", "kl_to_anchor": "algo/kl_to_anchor"}
+TASKS = {
+    "add": (200, 0.7, []),
+    "chain": (60, 0.4, CHAIN),
+    "guess": (12, 0.5, GUESS + ["--eval-size", "100"]),
+    "stress": (60, 0.4, CHAIN + ["--num-minibatches", "8", "--eval-size", "250"]),
+}
+ROLLOUT = {
+    "reward_mean": "reward/mean",
+    "correct": "reward/correct",  # column: metric of the rollout
+    "response_length": "response/length_mean",
+    "length_correct": "response/length_correct",
+    "length_wrong": "response/length_wrong",
+    "truncated_frac": "response/truncated_frac",
+    "entropy": "policy/entropy",
+    "clipfrac_low": "policy/clipfrac_low",
+    "clipfrac_high": "policy/clipfrac_high",
+    "self_correction_frac": "task/self_correction_frac",
+    "turns": "env/turns",
+    "self_correction_accuracy": "task/self_correction_accuracy",
+    "kept_groups_frac": "algo/kept_groups_frac",
+    "explained_variance": "algo/explained_variance",
+    "step_s": "perf/step_s",
+    "approx_kl": "policy/approx_kl",
+    "gradient_removed": "policy/gradient_removed",
+    "gate_weight": "policy/gate_weight",
+    "beta": "algo/beta",
+    "maskfrac": "policy/maskfrac",
+    "band_clipfrac": "policy/band_clipfrac",
+    "kl_to_anchor": "algo/kl_to_anchor",
+}
 COLUMNS = ["config", "seed", "step", "wall_s", "completions", "eval_accuracy", "eval_accuracy_greedy", *ROLLOUT]
 
 
@@ -66,11 +97,13 @@ def keep_all_groups(filter_groups):  # dapo.py without dynamic sampling: every g
 
 def sequence_mean(compute_loss):
     """dapo.py without the token-level loss: each completion's token mean, then the mean over completions (grpo's)"""
+
     def loss(logprobs, old_logprobs, advantages, mask, num_tokens, *clip):  # len(mask) below: the step's completions
         assert mask.sum() == num_tokens, "+sequence-mean: the step in one micro-batch (one rank, no --micro-batch-*)"
         per_completion = mask / mask.sum(-1, keepdim=True).clamp(min=1)  # each completion's tokens weigh 1 in all
         metrics = compute_loss(logprobs, old_logprobs, advantages, mask, num_tokens, *clip)[1]  # logged as dapo's
         return compute_loss(logprobs, old_logprobs, advantages, per_completion, len(mask), *clip)[0], metrics
+
     return loss
 
 
@@ -90,10 +123,27 @@ def run(config: str, seed: int, steps: int, eval_every: int, extra: list[str], o
     file, *flags = shlex.split(config)
     changes, flags = [f for f in flags if f in CHANGES], [f for f in flags if f not in CHANGES]
     name = f"{re.sub(r'[^A-Za-z0-9]+', '_', config)}_s{seed}"  # one folder per config and seed
-    script = ["-c", f"from benchmarks.learning_curves import changed; changed({file!r}, {changes})"] if changes \
+    script = (
+        ["-c", f"from benchmarks.learning_curves import changed; changed({file!r}, {changes})"]
+        if changes
         else [str(ROOT / f"{file}.py")]
-    cmd = [sys.executable, *script, *flags, "--seed", str(seed), "--num-steps", str(steps),
-           "--eval-every", str(eval_every), "--output-dir", str(out), "--run-name", name, *extra]
+    )
+    cmd = [
+        sys.executable,
+        *script,
+        *flags,
+        "--seed",
+        str(seed),
+        "--num-steps",
+        str(steps),
+        "--eval-every",
+        str(eval_every),
+        "--output-dir",
+        str(out),
+        "--run-name",
+        name,
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     if result.returncode != 0:
@@ -108,10 +158,18 @@ def to_rows(config: str, seed: int, metrics: list[dict], completions_per_round: 
     """metrics.jsonl lines -> a row per step: the evaluation before step s trains (after s steps), and its rollout."""
     rows, wall, completions = [], 0.0, 0
     for m in metrics:
-        rows.append({"config": config, "seed": seed, "step": m["step"], "wall_s": round(wall, 3),
-                     "completions": completions, "eval_accuracy": m.get("eval/accuracy"),
-                     "eval_accuracy_greedy": m.get("eval/accuracy_greedy"),
-                     **{column: m.get(key) for column, key in ROLLOUT.items()}})
+        rows.append(
+            {
+                "config": config,
+                "seed": seed,
+                "step": m["step"],
+                "wall_s": round(wall, 3),
+                "completions": completions,
+                "eval_accuracy": m.get("eval/accuracy"),
+                "eval_accuracy_greedy": m.get("eval/accuracy_greedy"),
+                **{column: m.get(key) for column, key in ROLLOUT.items()},
+            }
+        )
         if "perf/step_s" in m:  # a training step (the final evaluation line has none)
             wall += m["perf/step_s"] - m.get("perf/eval_s", 0.0)
             completions += completions_per_round * round(m.get("algo/gen_rounds", 1))
@@ -120,8 +178,12 @@ def to_rows(config: str, seed: int, metrics: list[dict], completions_per_round: 
 
 def read_csv(path: Path) -> list[dict]:
     def parse(key: str, value: str):  # 'nan' is a float too
-        return value if key == "config" else None if value == "" else \
-            int(value) if key in ("seed", "step", "completions") else float(value)
+        if key == "config":
+            return value
+        if value == "":
+            return None
+        return int(value) if key in ("seed", "step", "completions") else float(value)
+
     with open(path, newline="") as f:
         return [{k: parse(k, v) for k, v in row.items()} for row in csv.DictReader(f)]
 
@@ -153,8 +215,9 @@ def collapse_step(run: list[dict], floor: float = 0.05, span: int = 5) -> Option
     """The first of `span` steps in a row whose rollouts average below `floor` accuracy, or None: a run there has
     collapsed (a group all wrong has no advantage, so nothing trains it back)."""
     accuracy = [row["correct"] for row in run]
-    return next((run[i]["step"] for i in range(len(run) - span + 1) if statistics.mean(accuracy[i:i + span]) < floor),
-                None)
+    return next(
+        (run[i]["step"] for i in range(len(run) - span + 1) if statistics.mean(accuracy[i : i + span]) < floor), None
+    )
 
 
 def summarize(rows: list[dict], target: float) -> list[dict]:
@@ -171,34 +234,81 @@ def summarize(rows: list[dict], target: float) -> list[dict]:
         def at_target(key: str) -> str:
             return f"{statistics.mean(h[key] for h in reached):.0f}" if reached else "-"
 
-        table.append({"config": config, "seeds": len(seeds), "steps": finals[0]["step"],
-                      "final": mean_std([f["eval_accuracy"] for f in finals]),
-                      "gain": mean_std([r[-1]["eval_accuracy"] - r[0]["eval_accuracy"] for r in seeds.values()]),
-                      "collapsed": f"{len(fell)}/{len(ran)}" + (f" ({', '.join(map(str, fell))})" if fell else "")
-                      if ran else "-",
-                      "final_greedy": mean_std([f["eval_accuracy_greedy"] for f in finals]),
-                      "reached": f"{len(reached)}/{len(seeds)}", "steps_to_target": at_target("step"),
-                      "wall_to_target": at_target("wall_s"), "completions_to_target": at_target("completions"),
-                      "train_s": f"{statistics.mean(f['wall_s'] for f in finals):.0f}"})
+        collapsed = "-"  # no rollout accuracy recorded
+        if ran:
+            collapsed = f"{len(fell)}/{len(ran)}" + (f" ({', '.join(map(str, fell))})" if fell else "")
+        table.append(
+            {
+                "config": config,
+                "seeds": len(seeds),
+                "steps": finals[0]["step"],
+                "final": mean_std([f["eval_accuracy"] for f in finals]),
+                "gain": mean_std([r[-1]["eval_accuracy"] - r[0]["eval_accuracy"] for r in seeds.values()]),
+                "collapsed": collapsed,
+                "final_greedy": mean_std([f["eval_accuracy_greedy"] for f in finals]),
+                "reached": f"{len(reached)}/{len(seeds)}",
+                "steps_to_target": at_target("step"),
+                "wall_to_target": at_target("wall_s"),
+                "completions_to_target": at_target("completions"),
+                "train_s": f"{statistics.mean(f['wall_s'] for f in finals):.0f}",
+            }
+        )
     return table
 
 
 def format_table(table: list[dict], target: float) -> str:
-    heads = {"config": "config", "seeds": "seeds", "steps": "steps", "final": "final sampled acc.", "gain": "gain",
-             "final_greedy": "final greedy acc.", "collapsed": "collapsed (at step)", "reached": f"reached {target}",
-             "steps_to_target": f"steps to {target}", "wall_to_target": f"train s to {target}",
-             "completions_to_target": f"completions to {target}", "train_s": "train s (all)"}
+    heads = {
+        "config": "config",
+        "seeds": "seeds",
+        "steps": "steps",
+        "final": "final sampled acc.",
+        "gain": "gain",
+        "final_greedy": "final greedy acc.",
+        "collapsed": "collapsed (at step)",
+        "reached": f"reached {target}",
+        "steps_to_target": f"steps to {target}",
+        "wall_to_target": f"train s to {target}",
+        "completions_to_target": f"completions to {target}",
+        "train_s": "train s (all)",
+    }
     lines = ["| " + " | ".join(heads.values()) + " |", "|---" * len(heads) + "|"]
     return "\n".join(lines + ["| " + " | ".join(str(t[key]) for key in heads) + " |" for t in table])
 
 
-PANELS = [("step", "eval_accuracy", "held-out accuracy (sampled, T=1)"), ("step", "eval_accuracy_greedy",
-          "held-out accuracy (greedy)"), ("completions", "eval_accuracy", "held-out accuracy (sampled, T=1)")]
-LAB = {"chain": ["entropy", "length_correct", "length_wrong", "truncated_frac", "clipfrac_low", "clipfrac_high",
-                 "self_correction_frac", "self_correction_accuracy", "kept_groups_frac", "explained_variance",
-                 "step_s"], "guess": ["turns", "truncated_frac", "response_length", "entropy", "step_s"],
-       "stress": ["entropy", "approx_kl", "clipfrac_low", "clipfrac_high", "gradient_removed", "gate_weight",
-                  "maskfrac", "band_clipfrac", "beta", "kl_to_anchor", "step_s"]}
+PANELS = [
+    ("step", "eval_accuracy", "held-out accuracy (sampled, T=1)"),
+    ("step", "eval_accuracy_greedy", "held-out accuracy (greedy)"),
+    ("completions", "eval_accuracy", "held-out accuracy (sampled, T=1)"),
+]
+LAB = {
+    "chain": [
+        "entropy",
+        "length_correct",
+        "length_wrong",
+        "truncated_frac",
+        "clipfrac_low",
+        "clipfrac_high",
+        "self_correction_frac",
+        "self_correction_accuracy",
+        "kept_groups_frac",
+        "explained_variance",
+        "step_s",
+    ],
+    "guess": ["turns", "truncated_frac", "response_length", "entropy", "step_s"],
+    "stress": [
+        "entropy",
+        "approx_kl",
+        "clipfrac_low",
+        "clipfrac_high",
+        "gradient_removed",
+        "gate_weight",
+        "maskfrac",
+        "band_clipfrac",
+        "beta",
+        "kl_to_anchor",
+        "step_s",
+    ],
+}
 
 
 def plot(rows: list[dict], path: Path, title: str, panels: list[tuple[str, str, str]]) -> bool:
@@ -213,6 +323,7 @@ def plot(rows: list[dict], path: Path, title: str, panels: list[tuple[str, str, 
     columns = min(len(panels), 4)
     rows_of_panels = -(-len(panels) // columns)
     fig, axes = plt.subplots(rows_of_panels, columns, figsize=(4.5 * columns, 4 * rows_of_panels), squeeze=False)
+
     def split(config: str) -> tuple[str, str]:  # a config keeps its colour in every panel, a rate its line style
         return config.partition(" --learning-rate ")[::2]
 
@@ -226,13 +337,18 @@ def plot(rows: list[dict], path: Path, title: str, panels: list[tuple[str, str, 
             x = [statistics.mean(run[s][x_key] for run in runs) for s in steps]  # completions differ by seed
             ys = [[run[s][y_key] for run in runs] for s in steps]
             colour, style = colours[k % len(colours)], ["-", "--", ":", "-."][(rate + k // len(colours)) % 4]
-            ax.plot(x, [statistics.mean(y) for y in ys], color=colour, linestyle=style,
-                    label=f"{config} ({len(runs)} seeds)")
+            ax.plot(
+                x,
+                [statistics.mean(y) for y in ys],
+                color=colour,
+                linestyle=style,
+                label=f"{config} ({len(runs)} seeds)",
+            )
             ax.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=colour, alpha=0.15)
         ax.set_xlabel({"step": "training step", "completions": "completions sampled"}[x_key])
         ax.set_ylabel(y_label)
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     if len(panels) < axes.size:  # the legend in the first empty cell, else over the first panel
         axes.flat[len(panels)].legend(*axes.flat[0].get_legend_handles_labels(), loc="center", fontsize=9)
@@ -247,6 +363,7 @@ def plot(rows: list[dict], path: Path, title: str, panels: list[tuple[str, str, 
 
 def lab_table(rows: list[dict], keys: list[str], window: int = 10) -> str:
     """Per config, each metric of `keys` over the first and the last `window` steps: mean over seeds [min, max]."""
+
     def spread(values: list[float]) -> str:
         return f"{statistics.mean(values):.3g} [{min(values):.3g}, {max(values):.3g}]"
 
@@ -255,9 +372,12 @@ def lab_table(rows: list[dict], keys: list[str], window: int = 10) -> str:
         cells = []
         for key in keys:
             values = [[row[key] for row in run if row.get(key) is not None] for run in seeds.values()]
-            cells.append("-" if not all(values) else
-                         f"{spread([statistics.mean(v[:window]) for v in values])} → "
-                         f"{spread([statistics.mean(v[-window:]) for v in values])}")
+            cells.append(
+                "-"
+                if not all(values)
+                else f"{spread([statistics.mean(v[:window]) for v in values])} → "
+                f"{spread([statistics.mean(v[-window:]) for v in values])}"
+            )
         lines.append(f"| {config} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
@@ -292,16 +412,20 @@ def main(args: Args) -> None:
     args.steps, args.target = args.steps or steps, args.target or target
     args.configs = args.configs or tuple(CONFIGS + LAB_CONFIGS.get(args.task, []))
     args.configs = tuple(f"{c} --learning-rate {r}" for r in args.rates for c in args.configs) or args.configs
-    args.out = args.out or ROOT / "benchmarks" / "results" / \
-        ("learning_curves.csv" if args.task == "add" else f"learning_curves_{args.task}.csv")
+    args.out = args.out or ROOT / "benchmarks" / "results" / (
+        "learning_curves.csv" if args.task == "add" else f"learning_curves_{args.task}.csv"
+    )
     extra = task_flags + shlex.split(args.extra)
     for file in [f for f in (shlex.split(config)[0] for config in args.configs) if not (ROOT / f"{f}.py").exists()]:
         raise SystemExit(f"error: --configs: no file {file}.py (choose from {', '.join(CONFIGS)})")
 
     if not args.from_csv:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        done = {(r["config"], r["seed"]) for r in (read_csv(args.out) if args.out.exists() else [])
-                if r["step"] == args.steps}
+        done = {
+            (r["config"], r["seed"])
+            for r in (read_csv(args.out) if args.out.exists() else [])
+            if r["step"] == args.steps
+        }
         # seed-major: every config has a seed early, should the benchmark be stopped half way
         todo = [(c, s) for s in args.seeds for c in args.configs if (c, s) not in done]
         print(f"{len(todo)} runs of {args.steps} steps to do ({len(done)} already in {args.out})", flush=True)
@@ -310,9 +434,12 @@ def main(args: Args) -> None:
             runs = pool.map(lambda c_s: run(*c_s, args.steps, args.eval_every, extra, Path(tmp), threads), todo)
             for i, ((config, seed), new) in enumerate(zip(todo, runs), 1):
                 append_csv(args.out, new)
-                print(f"[{i}/{len(todo)}] {config} seed {seed}: held-out {new[0]['eval_accuracy']:.3f} -> "
-                      f"{new[-1]['eval_accuracy']:.3f} (greedy {new[-1]['eval_accuracy_greedy']:.3f}), "
-                      f"{time.perf_counter() - start_all:.0f} s so far", flush=True)
+                print(
+                    f"[{i}/{len(todo)}] {config} seed {seed}: held-out {new[0]['eval_accuracy']:.3f} -> "
+                    f"{new[-1]['eval_accuracy']:.3f} (greedy {new[-1]['eval_accuracy_greedy']:.3f}), "
+                    f"{time.perf_counter() - start_all:.0f} s so far",
+                    flush=True,
+                )
         print(f"{len(todo)} runs in {(time.perf_counter() - start_all) / 60:.1f} minutes")
 
     if not args.out.exists():
@@ -322,14 +449,22 @@ def main(args: Args) -> None:
     panels = PANELS
     if args.task in LAB:
         window = max(1, min(10, args.steps // 3))  # 10 steps on the chain task, 4 on guess
-        print(f"\nEach rollout metric over the first and the last {window} steps (mean over seeds [min, max]):\n"
-              f"{lab_table(rows, LAB[args.task], window)}")
-        panels = PANELS + [("step", key, key.replace("_", " ")) for key in LAB[args.task]  # those some run logs
-                           if any(row.get(key) is not None for row in rows)]
+        print(
+            f"\nEach rollout metric over the first and the last {window} steps (mean over seeds [min, max]):\n"
+            f"{lab_table(rows, LAB[args.task], window)}"
+        )
+        panels = PANELS + [
+            ("step", key, key.replace("_", " "))
+            for key in LAB[args.task]  # those some run logs
+            if any(row.get(key) is not None for row in rows)
+        ]
     png, seeds = args.out.with_suffix(".png"), " ".join(map(str, args.seeds))
     title = f"{len(args.configs)} configurations on the {args.task} task, seeds {seeds}; mean and min-max over seeds"
-    print(f"plot: {png}" if plot(rows, png, f"{title}; plotted {time.strftime('%Y-%m-%d')}", panels) else
-          "no plot: matplotlib is not installed (pip install -r benchmarks/requirements.txt)")
+    print(
+        f"plot: {png}"
+        if plot(rows, png, f"{title}; plotted {time.strftime('%Y-%m-%d')}", panels)
+        else "no plot: matplotlib is not installed (pip install -r benchmarks/requirements.txt)"
+    )
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ trainer's median seconds per round and range, the split of the round (TRL's: gen
 and the rest), the share of padding in the positions the update computed, and the positions model.generate computed per
 completion; and the median ratio of neighbouring rounds, with its range. The last line is the same as JSON. Not a test.
 """
+
 import importlib
 import json
 import multiprocessing
@@ -44,9 +45,20 @@ import tyro
 ROOT = Path(__file__).resolve().parent.parent
 UPDATES_PER_ROLLOUT, BETA = 2, 0.04  # grpo.py's defaults
 # Qwen/Qwen3-0.6B's config.json (written out: nothing is downloaded).
-QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu")
+QWEN3_0_6B = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    hidden_act="silu",
+)
 
 
 def realistic_model(folder: Path, varied: bool = False) -> None:
@@ -108,13 +120,15 @@ def file_worker(conn, root: str, file: str, flags: list[str]) -> None:
 
     def log_then_wait(self, step, metrics):
         log(self, step, metrics)
-        turns.done({key.removeprefix("perf/"): float(value) for key, value in metrics.items()
-                    if key.startswith("perf/")} | counts)
+        turns.done(
+            {key.removeprefix("perf/"): float(value) for key, value in metrics.items() if key.startswith("perf/")}
+            | counts
+        )
         counts.update(dict.fromkeys(counts, 0))
 
     def count(_, args, kwargs):  # a forward's new positions, and those the attention mask leaves out
         counts["update_positions"] += kwargs["input_ids"].numel()
-        counts["update_padding"] += int((kwargs["attention_mask"][:, -kwargs["input_ids"].shape[1]:] == 0).sum())
+        counts["update_padding"] += int((kwargs["attention_mask"][:, -kwargs["input_ids"].shape[1] :] == 0).sum())
 
     def counted_get_logprobs(model, ids, mask, P, *args, **kwargs):  # the update's (the file's own calls)
         counts["update_tokens"] += int(mask[:, P:].sum())  # the response tokens it scores
@@ -143,15 +157,17 @@ def trl_worker(conn, model: str, shape: "Shape", rounds: int, seed: int, vllm: b
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from common import builtin_splits, format_prompt, load_tokenizer, score
+    from common import format_prompt, score
+    from harness import builtin_splits, load_tokenizer
 
     tokenizer = load_tokenizer(model, "--model")
-    dataset = Dataset.from_list([{"prompt": format_prompt(tokenizer, e["prompt"], True), "answer": e["answer"]}
-                                 for e in builtin_splits()[0]])  # the train split
+    dataset = Dataset.from_list(
+        [{"prompt": format_prompt(tokenizer, e["prompt"], True), "answer": e["answer"]} for e in builtin_splits()[0]]
+    )  # the train split
 
     def reward(prompts, completions, answer, **kwargs):
         examples = [{"prompt": p, "answer": a} for p, a in zip(prompts, answer)]  # one per completion
-        return score(examples, completions, 1, exact=True)[0].tolist()
+        return score(examples, completions, 1, exact_match=True)[0].tolist()
 
     turns, seconds = Turns(conn), {"rollout_s": 0.0}
 
@@ -168,18 +184,53 @@ def trl_worker(conn, model: str, shape: "Shape", rounds: int, seed: int, vllm: b
     micro_batch = shape.micro_batch_size or batch
     with tempfile.TemporaryDirectory() as out:
         config = GRPOConfig(
-            output_dir=out, report_to="none", save_strategy="no", logging_steps=10**6, seed=seed,
-            max_steps=(rounds + 1) * UPDATES_PER_ROLLOUT, per_device_train_batch_size=micro_batch,
-            gradient_accumulation_steps=batch // micro_batch, steps_per_generation=batch // micro_batch,
-            num_iterations=UPDATES_PER_ROLLOUT, num_generations=shape.group_size, top_k=0, top_p=1.0,
-            max_completion_length=shape.max_new_tokens, temperature=1.0, learning_rate=shape.learning_rate,
-            lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
-            adam_epsilon=1e-8, max_grad_norm=1.0, epsilon=0.2, beta=BETA, scale_rewards="group", loss_type="grpo",
-            mask_truncated_completions=False, bf16=gpu, fp16=False, gradient_checkpointing=False, use_cpu=not gpu,
-            dataloader_num_workers=0, disable_tqdm=True, log_completions=False, use_vllm=vllm, vllm_mode="colocate")
+            output_dir=out,
+            report_to="none",
+            save_strategy="no",
+            logging_steps=10**6,
+            seed=seed,
+            max_steps=(rounds + 1) * UPDATES_PER_ROLLOUT,
+            per_device_train_batch_size=micro_batch,
+            gradient_accumulation_steps=batch // micro_batch,
+            steps_per_generation=batch // micro_batch,
+            num_iterations=UPDATES_PER_ROLLOUT,
+            num_generations=shape.group_size,
+            top_k=0,
+            top_p=1.0,
+            max_completion_length=shape.max_new_tokens,
+            temperature=1.0,
+            learning_rate=shape.learning_rate,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            weight_decay=0.0,
+            adam_beta1=0.9,
+            adam_beta2=0.999,
+            adam_epsilon=1e-8,
+            max_grad_norm=1.0,
+            epsilon=0.2,
+            beta=BETA,
+            scale_rewards="group",
+            loss_type="grpo",
+            mask_truncated_completions=False,
+            bf16=gpu,
+            fp16=False,
+            gradient_checkpointing=False,
+            use_cpu=not gpu,
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+            log_completions=False,
+            use_vllm=vllm,
+            vllm_mode="colocate",
+        )
         policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16 if gpu else torch.float32)
-        trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=config, train_dataset=dataset,
-                              processing_class=tokenizer, callbacks=[EachRound()])
+        trainer = GRPOTrainer(
+            model=policy,
+            reward_funcs=reward,
+            args=config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            callbacks=[EachRound()],
+        )
         rollout = trainer._generate_and_score_completions
 
         def rollout_timed(*args, **kwargs):
@@ -205,8 +256,10 @@ class Worker:
         try:
             return self.conn.recv()
         except EOFError:
-            raise SystemExit(f"error: {self.name} stopped (exit code {self.process.join(5) or self.process.exitcode});"
-                             " its error is printed above") from None
+            raise SystemExit(
+                f"error: {self.name} stopped (exit code {self.process.join(5) or self.process.exitcode});"
+                " its error is printed above"
+            ) from None
 
     def run_round(self) -> dict:
         self.conn.send("go")
@@ -228,16 +281,35 @@ class Shape:
     learning_rate: float = 2e-4  # grpo.py's default; 1e-7 for varied: its lengths must stay as they are
 
     def flags(self) -> list[str]:
-        return [f for key, value in asdict(self).items() if value is not None
-                for f in (f"--{key.replace('_', '-')}", str(value))]
+        return [
+            f
+            for key, value in asdict(self).items()
+            if value is not None
+            for f in (f"--{key.replace('_', '-')}", str(value))
+        ]
 
 
-SHAPES = {"default": Shape(32, 8, 8), "realistic": Shape(4, 4, 32), "varied": Shape(4, 4, 256, learning_rate=1e-7),
-          "tool": Shape(8, 4, 96)}
+SHAPES = {
+    "default": Shape(32, 8, 8),
+    "realistic": Shape(4, 4, 32),
+    "varied": Shape(4, 4, 256, learning_rate=1e-7),
+    "tool": Shape(8, 4, 96),
+}
 
 
-def compare(file: str, against: str, model: str, shape: Shape, rounds: int, warmup: int, flags: list[str],
-            seed: int, output_dir: str, trl_vllm: bool = False, this_flags: list[str] = ()) -> dict:
+def compare(
+    file: str,
+    against: str,
+    model: str,
+    shape: Shape,
+    rounds: int,
+    warmup: int,
+    flags: list[str],
+    seed: int,
+    output_dir: str,
+    trl_vllm: bool = False,
+    this_flags: list[str] = (),
+) -> dict:
     """`<file>.py` of this checkout against TRL or the same file of the checkout at `against`, on `model` at `shape`:
     `warmup` rounds each, then `rounds` in blocks of A B B A; each trainer's figures, and the ratio of neighbours."""
     if rounds < 2 or rounds % 2:
@@ -246,11 +318,28 @@ def compare(file: str, against: str, model: str, shape: Shape, rounds: int, warm
         raise SystemExit("error: the comparison with TRL needs trl: pip install -r benchmarks/requirements.txt")
     if against != "trl" and not (Path(against) / f"{file}.py").exists():
         raise SystemExit(f"error: --against {against}: neither 'trl' nor a folder with {file}.py")
-    flags = ["--model", model, "--seed", str(seed), "--eval-every", "0", "--output-dir", output_dir,
-             "--num-steps", str(warmup + rounds + 1), *shape.flags(), *flags]
+    flags = [
+        "--model",
+        model,
+        "--seed",
+        str(seed),
+        "--eval-every",
+        "0",
+        "--output-dir",
+        output_dir,
+        "--num-steps",
+        str(warmup + rounds + 1),
+        *shape.flags(),
+        *flags,
+    ]
     this = Worker(f"{file}.py", file_worker, str(ROOT), file, [*flags, *this_flags, "--run-name", "this"])
-    other = Worker("TRL", trl_worker, model, shape, warmup + rounds, seed, trl_vllm) if against == "trl" else \
-        Worker(f"{against}/{file}.py", file_worker, str(Path(against).resolve()), file, [*flags, "--run-name", "other"])
+    other = (
+        Worker("TRL", trl_worker, model, shape, warmup + rounds, seed, trl_vllm)
+        if against == "trl"
+        else Worker(
+            f"{against}/{file}.py", file_worker, str(Path(against).resolve()), file, [*flags, "--run-name", "other"]
+        )
+    )
     for worker in (this, other):
         worker.receive()  # loaded, waiting for its first turn
     for worker in (this, other) * warmup:
@@ -260,19 +349,29 @@ def compare(file: str, against: str, model: str, shape: Shape, rounds: int, warm
     for worker in (this, other):
         worker.stop()
     ratios = sorted(x["round_s"] / y["round_s"] for x, y in zip(this.rounds, other.rounds))  # neighbours
-    return {"names": [this.name, other.name], "this": summary(this.rounds), "other": summary(other.rounds),
-            "ratio": statistics.median(ratios), "ratio_min": ratios[0], "ratio_max": ratios[-1], "rounds": this.rounds}
+    return {
+        "names": [this.name, other.name],
+        "this": summary(this.rounds),
+        "other": summary(other.rounds),
+        "ratio": statistics.median(ratios),
+        "ratio_min": ratios[0],
+        "ratio_max": ratios[-1],
+        "rounds": this.rounds,
+    }
 
 
 def summary(rounds: list[dict]) -> dict:
     times = [r["round_s"] for r in rounds]
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)} | {
-        key: statistics.median(r[key] for r in rounds) for key in rounds[0] if key != "round_s"}
+        key: statistics.median(r[key] for r in rounds) for key in rounds[0] if key != "round_s"
+    }
 
 
 def print_comparison(result: dict, shape: Shape, rounds: int, warmup: int) -> None:
-    print(f"\n{shape.prompts_per_step} prompts x {shape.group_size} completions, {shape.max_new_tokens} new "
-          f"tokens; {rounds} timed rounds each after {warmup} warm-up, in turns A B B A")
+    print(
+        f"\n{shape.prompts_per_step} prompts x {shape.group_size} completions, {shape.max_new_tokens} new "
+        f"tokens; {rounds} timed rounds each after {warmup} warm-up, in turns A B B A"
+    )
     print("| trainer | median s/round | min | max | generation s | log-probs s | update s | sampling + scoring s |")
     print("|---|---|---|---|---|---|---|---|")
     names = [result["names"][0] + " (this checkout)", result["names"][1]]
@@ -282,11 +381,15 @@ def print_comparison(result: dict, shape: Shape, rounds: int, warmup: int) -> No
     for name, s in zip(names, (result["this"], result["other"])):
         if "update_padding" in s:  # (medians over the rounds)
             rows = shape.prompts_per_step * shape.group_size
-            print(f"{name}: padding {s['update_padding'] / s['update_positions']:.1%} of the positions the update "
-                  f"computed, {1000 * s['update_s'] / s['update_tokens']:.3f} s per 1,000 response tokens; "
-                  f"model.generate computed {s['sampled_positions'] / rows:.1f} positions a completion")
-    print(f"\n{' / '.join(result['names'])}: {result['ratio']:.3f} per round (median of {rounds} neighbouring "
-          f"rounds; range {result['ratio_min']:.3f}-{result['ratio_max']:.3f})")
+            print(
+                f"{name}: padding {s['update_padding'] / s['update_positions']:.1%} of the positions the update "
+                f"computed, {1000 * s['update_s'] / s['update_tokens']:.3f} s per 1,000 response tokens; "
+                f"model.generate computed {s['sampled_positions'] / rows:.1f} positions a completion"
+            )
+    print(
+        f"\n{' / '.join(result['names'])}: {result['ratio']:.3f} per round (median of {rounds} neighbouring "
+        f"rounds; range {result['ratio_min']:.3f}-{result['ratio_max']:.3f})"
+    )
 
 
 @dataclass
@@ -316,11 +419,29 @@ def main(args: Args) -> None:
         if args.shape in ("realistic", "varied"):
             model = str(Path(tmp) / "model")
             realistic_model(Path(model), varied=args.shape == "varied")
-        result = compare(args.file, args.against, model, shape, args.rounds, args.warmup, flags, args.seed,
-                         str(Path(tmp) / "runs"), this_flags=shlex.split(args.this_flags))
+        result = compare(
+            args.file,
+            args.against,
+            model,
+            shape,
+            args.rounds,
+            args.warmup,
+            flags,
+            args.seed,
+            str(Path(tmp) / "runs"),
+            this_flags=shlex.split(args.this_flags),
+        )
     print_comparison(result, shape, args.rounds, args.warmup)
-    print(json.dumps({"shape": args.shape, "file": args.file, "against": args.against,
-                      **{k: v for k, v in result.items() if k != "rounds"}}))
+    print(
+        json.dumps(
+            {
+                "shape": args.shape,
+                "file": args.file,
+                "against": args.against,
+                **{k: v for k, v in result.items() if k != "rounds"},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -63,13 +63,21 @@ class Shape:
 
 
 # The published configs (layers, hidden, MLP, heads, KV heads), by the model's name without -Instruct
-SHAPES = {shape.name: shape for shape in [
-    Shape("Qwen2.5-0.5B", 24, 896, 4864, 14, 2, tied=True), Shape("Qwen2.5-1.5B", 28, 1536, 8960, 12, 2, tied=True),
-    Shape("Qwen2.5-3B", 36, 2048, 11008, 16, 2, tied=True), Shape("Qwen2.5-7B", 28, 3584, 18944, 28, 4, 152064),
-    Shape("Qwen2.5-14B", 48, 5120, 13824, 40, 8, 152064), Shape("Qwen2.5-32B", 64, 5120, 27648, 40, 8, 152064),
-    Shape("Qwen2.5-Math-1.5B", 28, 1536, 8960, 12, 2, tied=True), Shape("Qwen2.5-Math-7B", 28, 3584, 18944, 28, 4),
-    Shape("Qwen3-1.7B", 28, 2048, 6144, 16, 8, tied=True, head_dim=128),
-    Shape("Skywork-Reward-V2-Qwen3-0.6B", 28, 1024, 3072, 16, 8, tied=True, head_dim=128)]}
+SHAPES = {
+    shape.name: shape
+    for shape in [
+        Shape("Qwen2.5-0.5B", 24, 896, 4864, 14, 2, tied=True),
+        Shape("Qwen2.5-1.5B", 28, 1536, 8960, 12, 2, tied=True),
+        Shape("Qwen2.5-3B", 36, 2048, 11008, 16, 2, tied=True),
+        Shape("Qwen2.5-7B", 28, 3584, 18944, 28, 4, 152064),
+        Shape("Qwen2.5-14B", 48, 5120, 13824, 40, 8, 152064),
+        Shape("Qwen2.5-32B", 64, 5120, 27648, 40, 8, 152064),
+        Shape("Qwen2.5-Math-1.5B", 28, 1536, 8960, 12, 2, tied=True),
+        Shape("Qwen2.5-Math-7B", 28, 3584, 18944, 28, 4),
+        Shape("Qwen3-1.7B", 28, 2048, 6144, 16, 8, tied=True, head_dim=128),
+        Shape("Skywork-Reward-V2-Qwen3-0.6B", 28, 1024, 3072, 16, 8, tied=True, head_dim=128),
+    ]
+}
 
 
 def model_shape(name: str) -> Shape:
@@ -78,12 +86,23 @@ def model_shape(name: str) -> Shape:
         from transformers import AutoConfig
 
         c = AutoConfig.from_pretrained(name).get_text_config()
-        return Shape(name, c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.num_attention_heads,
-                     c.num_key_value_heads, c.vocab_size, c.tie_word_embeddings, getattr(c, "head_dim", 0) or 0)
+        return Shape(
+            name,
+            c.num_hidden_layers,
+            c.hidden_size,
+            c.intermediate_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.vocab_size,
+            c.tie_word_embeddings,
+            getattr(c, "head_dim", 0) or 0,
+        )
     key = name.rsplit("/", 1)[-1].removesuffix("-Instruct")
     if key not in SHAPES:
-        raise SystemExit(f"error: --model {name}: no shape known for it; pass a local folder with its config.json, or "
-                         "add its shape to SHAPES in benchmarks/memory_fit.py.")
+        raise SystemExit(
+            f"error: --model {name}: no shape known for it; pass a local folder with its config.json, or "
+            "add its shape to SHAPES in benchmarks/memory_fit.py."
+        )
     return SHAPES[key]
 
 
@@ -97,16 +116,23 @@ def read_command(command: str, nodes: int, prompt_length: int) -> dict:
     node_count = launcher.get("nnodes", "1")
     world_size = ranks_per_node * (int(node_count) if node_count.isdigit() else nodes)
     sys.path[:0] = [] if str(ROOT) in sys.path else [str(ROOT)]  # the algorithm files and common.py
-    from common import cli
+    from harness import cli
 
     module = importlib.import_module(Path(words[at]).stem)
     args = cli(module.Args, words[at + 1 :])
     local_rows = args.prompts_per_step // world_size * args.group_size
     minibatch = local_rows // args.num_minibatches
-    return {"file": words[at], "args": args, "world_size": world_size, "shape": model_shape(args.model),
-            "prompt": args.max_prompt_length or prompt_length, "response": args.max_new_tokens or 8,
-            "rollout": local_rows, "micro_batch": min(args.micro_batch_size or minibatch, minibatch),
-            "uses_reference": "load_reference(" in (ROOT / words[at]).read_text()}
+    return {
+        "file": words[at],
+        "args": args,
+        "world_size": world_size,
+        "shape": model_shape(args.model),
+        "prompt": args.max_prompt_length or prompt_length,
+        "response": args.max_new_tokens or 8,
+        "rollout": local_rows,
+        "micro_batch": min(args.micro_batch_size or minibatch, minibatch),
+        "uses_reference": "load_reference(" in (ROOT / words[at]).read_text(),
+    }
 
 
 def phases(run: dict, card: float) -> dict[str, float]:
@@ -174,10 +200,15 @@ def table(card_gb: float, nodes: int) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for where, command in gpu_commands():
         run, (gb, verdict) = read_command(command, nodes, 512), estimate(command, card_gb, nodes)
-        flags = re.findall(r"--(?:fsdp|gradient-checkpointing|vllm|lora-rank \d+|micro-batch-size \d+|max-tokens-per-"
-                           r"micro-batch \d+|vllm-gpu-memory [\d.]+)(?=\s|$)", command)
-        print(f"| {where} | {run['file']} | {run['args'].model} | {run['world_size']} | {' '.join(flags)} | "
-              f"{gb['loading']:.0f} | {gb['sampling']:.0f} | {gb['update']:.0f} | {verdict.split(':')[0]} |")
+        flags = re.findall(
+            r"--(?:fsdp|gradient-checkpointing|vllm|lora-rank \d+|micro-batch-size \d+|max-tokens-per-"
+            r"micro-batch \d+|vllm-gpu-memory [\d.]+)(?=\s|$)",
+            command,
+        )
+        print(
+            f"| {where} | {run['file']} | {run['args'].model} | {run['world_size']} | {' '.join(flags)} | "
+            f"{gb['loading']:.0f} | {gb['sampling']:.0f} | {gb['update']:.0f} | {verdict.split(':')[0]} |"
+        )
 
 
 # --- the check on CPU ------------------------------------------------------------------------------
@@ -188,20 +219,29 @@ TINY = [(4, 512, 2048, 2, 128), (2, 256, 1024, 16, 512), (8, 384, 1536, 8, 256)]
 
 def measure_one(layers: int, hidden: int, intermediate: int, batch: int, seq: int, checkpointing: bool) -> None:
     """Child process: one GRPO-like training step (reference log-probs, forward, backward, AdamW) of a Qwen3 with fp32
-    weights computing in bf16 (common.autocast, as load_model on a GPU) on CPU; prints the growth of peak RSS and the
+    weights computing in bf16 (harness.autocast, as load_model on a GPU) on CPU; prints the growth of peak RSS and the
     formula's bytes (with the CPU's fp32 reference in place of bf16), in GB."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from common import autocast, get_logprobs, peak_memory_gb
+    from common import get_logprobs, peak_memory_gb
+    from harness import autocast
 
     torch.manual_seed(0)
     vocab, cpu = 1024, torch.device("cpu")
     ids = torch.randint(0, vocab, (batch, seq))
     mask = torch.ones_like(ids)
-    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
-                         max_position_embeddings=seq, tie_word_embeddings=False)
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        max_position_embeddings=seq,
+        tie_word_embeddings=False,
+    )
     base = peak_memory_gb(cpu) * 2**30
     policy, ref = Qwen3ForCausalLM(config), Qwen3ForCausalLM(config).to(torch.bfloat16).requires_grad_(False)
     for model in (policy, ref):
@@ -223,19 +263,30 @@ def measure_one(layers: int, hidden: int, intermediate: int, batch: int, seq: in
 
 
 def check() -> None:
-    print("fp32 weights, bf16 autocast, on CPU, one process, policy + bf16 reference; peak RSS growth of a training "
-          "step vs the formula")
-    print("| layers x hidden x MLP | micro-batch x seq | ckpt | params | measured GB | formula GB "
-          "| formula / measured |")
+    print(
+        "fp32 weights, bf16 autocast, on CPU, one process, policy + bf16 reference; peak RSS growth of a training "
+        "step vs the formula"
+    )
+    print(
+        "| layers x hidden x MLP | micro-batch x seq | ckpt | params | measured GB | formula GB | formula / measured |"
+    )
     print("|---|---|---|---|---|---|---|")
     for layers, hidden, intermediate, batch, seq in TINY:
         for ckpt in (False, True):
             sizes = map(str, (layers, hidden, intermediate, batch, seq, int(ckpt)))
-            out = subprocess.run([sys.executable, "-m", "benchmarks.memory_fit", "--one", *sizes], capture_output=True,
-                                 cwd=ROOT, text=True, check=True).stdout
+            out = subprocess.run(
+                [sys.executable, "-m", "benchmarks.memory_fit", "--one", *sizes],
+                capture_output=True,
+                cwd=ROOT,
+                text=True,
+                check=True,
+            ).stdout
             measured, predicted, params = map(float, out.split()[-3:])
-            print(f"| {layers} x {hidden} x {intermediate} | {batch} x {seq} | {'yes' if ckpt else 'no'} | "
-                  f"{params / 1e6:.1f}M | {measured:.3f} | {predicted:.3f} | {predicted / measured:.2f} |", flush=True)
+            print(
+                f"| {layers} x {hidden} x {intermediate} | {batch} x {seq} | {'yes' if ckpt else 'no'} | "
+                f"{params / 1e6:.1f}M | {measured:.3f} | {predicted:.3f} | {predicted / measured:.2f} |",
+                flush=True,
+            )
 
 
 @dataclass

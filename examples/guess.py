@@ -9,4 +9,6 @@ class Guess:
 
     def step(self, action: str) -> tuple[str | None, float, bool]:  # (observation, reward, done)
         guess = int(action) if action.strip().isdigit() else -1  # not a number: 'higher'
-        return (None, 1.0, True) if guess == self.secret else ("higher" if self.secret > guess else "lower", 0.0, False)
+        if guess == self.secret:
+            return None, 1.0, True
+        return "higher" if self.secret > guess else "lower", 0.0, False

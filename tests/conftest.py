@@ -24,8 +24,14 @@ def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def run(args: list[str], cwd: Path, torchrun: int = 0, timeout: int = 1800, python: str = sys.executable,
-        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run(
+    args: list[str],
+    cwd: Path,
+    torchrun: int = 0,
+    timeout: int = 1800,
+    python: str = sys.executable,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
     """Run a script of the repo (first arg) as a user would: `python x.py ...` or `torchrun ... x.py ...`, with
     `python` (another environment's) and `env` added to the environment.
     The timeout only stops a run that hangs: it is several times the longest run's time on a loaded machine."""
@@ -34,8 +40,9 @@ def run(args: list[str], cwd: Path, torchrun: int = 0, timeout: int = 1800, pyth
     if torchrun:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run(launcher + [script, *args[1:]], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        launcher + [script, *args[1:]], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def record_batch_sizes(monkeypatch, module) -> list[int]:
@@ -75,7 +82,8 @@ def mixed_dataset(tmp_path_factory) -> Path:
     import torch
     from pinned_run import pinned_generate
 
-    from common import DEFAULT_MODEL, correctness_reward, format_prompt, load_model, load_tokenizer
+    from common import correctness_reward, format_prompt
+    from harness import DEFAULT_MODEL, load_model, load_tokenizer
 
     tokenizer = load_tokenizer(DEFAULT_MODEL)
     model = load_model(DEFAULT_MODEL, "float32", torch.device("cpu"), tokenizer)
@@ -83,7 +91,7 @@ def mixed_dataset(tmp_path_factory) -> Path:
     for a in range(10, 100, 3):
         for b in range(10, 100, 11):
             texts = pinned_generate(model, tokenizer, [format_prompt(tokenizer, f"{a}+{b}", True)], 4, 8, 1.0).texts
-            if 0 < correctness_reward(texts, [str(a + b)] * 4, exact=False).sum() < 4:
+            if 0 < correctness_reward(texts, [str(a + b)] * 4, exact_match=False).sum() < 4:
                 rows.append({"prompt": f"{a}+{b}", "answer": str(a + b)})
     assert len(rows) >= 40, len(rows)
     path = tmp_path_factory.mktemp("data") / "mixed.jsonl"
@@ -97,7 +105,7 @@ def bf16_model(tmp_path_factory) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from common import DEFAULT_MODEL, load_tokenizer
+    from harness import DEFAULT_MODEL, load_tokenizer
 
     folder = tmp_path_factory.mktemp("bf16") / "model"
     AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.bfloat16).save_pretrained(folder)
@@ -109,6 +117,7 @@ def pytest_collection_modifyitems(config, items):
     """The long tests first, so that the 2 workers end together on short ones instead of one waiting for the
     other's last training run: the slow tests without vLLM, then vLLM's (whose environment the background
     build below has had minutes to finish), then the rest. A stable sort: each group in its files' order."""
+
     def rank(item) -> int:
         if "vllm_python" in getattr(item, "fixturenames", ()):
             return 1
@@ -125,5 +134,10 @@ def pytest_collection_finish(session):
     from vllm_env import is_complete
 
     if any("vllm_python" in getattr(item, "fixturenames", ()) for item in session.items) and not is_complete():
-        subprocess.Popen([sys.executable, str(ROOT / "tests" / "vllm_env.py")], stdin=subprocess.DEVNULL,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "vllm_env.py")],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )

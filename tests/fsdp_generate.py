@@ -11,16 +11,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import (
-    DEFAULT_MODEL,
-    cleanup_distributed,
-    format_prompt,
-    generate,
-    load_model,
-    load_tokenizer,
-    setup_distributed,
-    shard_model,
-)
+from common import format_prompt, generate
+from harness import DEFAULT_MODEL, cleanup_distributed, load_model, load_tokenizer, setup_distributed, shard_model
 
 
 def main() -> None:

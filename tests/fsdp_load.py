@@ -12,14 +12,15 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import common  # noqa: E402
-from common import cleanup_distributed, load_model, load_tokenizer, peak_memory_gb, setup_distributed, shard_model  # noqa: E402
+import harness  # noqa: E402
+from common import peak_memory_gb  # noqa: E402
+from harness import cleanup_distributed, load_model, load_tokenizer, setup_distributed, shard_model  # noqa: E402
 
 rank, world_size, device = setup_distributed()
 tokenizer = load_tokenizer(sys.argv[1])
 with torch.device("meta"):  # the model's code imported first (~140 MB): no part of what loading holds
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sys.argv[1]))
-common.check_output_logits = lambda *args: None
+harness.check_output_logits = lambda *args: None
 Path("/proc/self/clear_refs").write_text("5")  # the peak resident memory from here on (VmHWM)
 base = peak_memory_gb(device)
 sharded = {"sharded": True} if "sharded" in inspect.signature(load_model).parameters else {}  # (before #61: none)

@@ -16,18 +16,32 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the algorithm files and common.py
-from common import cat_rollouts, cleanup_distributed, cli  # noqa: E402
+from common import cat_rollouts  # noqa: E402
 from common import generate as real_generate
+from harness import cleanup_distributed, cli  # noqa: E402
 
 
-def pinned_generate(model, tokenizer, prompts, group_size, max_new_tokens, temperature, greedy=False, vllm=None,
-                    env=None, rows=None):
+def pinned_generate(
+    model, tokenizer, prompts, group_size, max_new_tokens, temperature, greedy=False, vllm=None, env=None, rows=None
+):
     """With an environment, each row's episodes from a seed of its prompt and answer (the game's secret)."""
     parts = []
     for i, prompt in enumerate(prompts):
         torch.manual_seed(zlib.crc32((prompt + ("" if env is None else rows[i]["answer"])).encode()))
-        parts.append(real_generate(model, tokenizer, [prompt], group_size, max_new_tokens, temperature, greedy, vllm,
-                                   env, None if env is None else rows[i : i + 1]))
+        parts.append(
+            real_generate(
+                model,
+                tokenizer,
+                [prompt],
+                group_size,
+                max_new_tokens,
+                temperature,
+                greedy,
+                vllm,
+                env,
+                None if env is None else rows[i : i + 1],
+            )
+        )
     return cat_rollouts(parts, tokenizer.pad_token_id)
 
 

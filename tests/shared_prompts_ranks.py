@@ -14,31 +14,35 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import (  # noqa: E402
+from common import format_prompt, generate, get_logprobs, unwrap
+from harness import (
     DEFAULT_MODEL,
     cleanup_distributed,
-    format_prompt,
-    generate,
-    get_logprobs,
+    clip_grad_norm,  # noqa: E402
     load_model,
     load_tokenizer,
     setup_distributed,
     shard_model,
-    unwrap,
 )
-from harness import clip_grad_norm  # noqa: E402
 
 PROMPTS = [["1+2", "1+2", "45+67", "45+67"], ["1+2", "45+67", "9+99", "23+5"]]  # rank 0 shares, rank 1 does not
 
 
 def rows(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Each prompt followed by the same 3-token response: (ids, mask, prompt width)."""
-    enc = tokenizer([format_prompt(tokenizer, p, True) for p in prompts], return_tensors="pt", padding=True,
-                    add_special_tokens=False)
+    enc = tokenizer(
+        [format_prompt(tokenizer, p, True) for p in prompts],
+        return_tensors="pt",
+        padding=True,
+        add_special_tokens=False,
+    )
     response = torch.tensor(tokenizer("12", add_special_tokens=False).input_ids + [tokenizer.eos_token_id])
     ids = torch.cat([enc.input_ids, response.expand(len(prompts), -1)], 1)
-    return ids, torch.cat([enc.attention_mask, torch.ones(len(prompts), len(response), dtype=torch.long)], 1), \
-        enc.input_ids.shape[1]
+    return (
+        ids,
+        torch.cat([enc.attention_mask, torch.ones(len(prompts), len(response), dtype=torch.long)], 1),
+        enc.input_ids.shape[1],
+    )
 
 
 def main() -> None:

@@ -16,47 +16,73 @@ from pathlib import Path
 
 import pytest
 
-import common
 import grpo
 import harness
-from common import UsageError, cli
+from common import UsageError
 from conftest import ROOT, default_sigint, read_metrics, run
+from harness import cli
 
 # (input, grpo.py's arguments, or another file's after its name, the start of the message). Each stops
 # at start-up. "{tmp}" is the test's folder, where `make_inputs` writes the bad files; runs go to
 # {tmp}/runs unless a row says.
 AT_START_UP = [
     ("`--max-new-tokens 0`", ["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
-    ("`--temperature 0`", ["--temperature", "0"],
-     "--temperature 0.0: must be >= 0.01 (the log-probs divide the logits"),
+    (
+        "`--temperature 0`",
+        ["--temperature", "0"],
+        "--temperature 0.0: must be >= 0.01 (the log-probs divide the logits",
+    ),
     ("a negative `--learning-rate`", ["--learning-rate", "-1e-4"], "--learning-rate -0.0001: must be > 0"),
+    ("`--learning-rate inf`", ["--learning-rate", "inf"], "--learning-rate inf: must be a finite number"),
+    ("`--target-kl nan` (ppo.py)", ["ppo.py", "--target-kl", "nan"], "--target-kl nan: must be a finite number"),
     ("`--num-steps 0`", ["--num-steps", "0"], "--num-steps 0: must be >= 1 (0 would save the untrained model"),
     ("a negative `--num-steps`", ["--num-steps", "-3"], "--num-steps -3: must be >= 1"),
     ("`--eval-size -5`", ["--eval-size", "-5"], "--eval-size -5: must be >= 0"),
-    ("`--eval-size 0` with `--dataset` (evaluation on)", ["--dataset", "{tmp}/train.jsonl", "--eval-size", "0"],
-     "--eval-size 0 leaves nothing to evaluate every --eval-every 20 steps: pass --eval-every 0"),
-    ("`--eval-size 20000` on the built-in task", ["--eval-size", "20000"],
-     "--eval-size 20000: the built-in task has 10000 prompts, so none would be left to train on"),
+    (
+        "`--eval-size 0` with `--dataset` (evaluation on)",
+        ["--dataset", "{tmp}/train.jsonl", "--eval-size", "0"],
+        "--eval-size 0 leaves nothing to evaluate every --eval-every 20 steps: pass --eval-every 0",
+    ),
+    (
+        "`--eval-size 20000` on the built-in task",
+        ["--eval-size", "20000"],
+        "--eval-size 20000: the built-in task has 10000 prompts, so none would be left to train on",
+    ),
     ("`--keep-checkpoints -1`", ["--keep-checkpoints", "-1"], "--keep-checkpoints -1: must be >= 0"),
     ("`--dist-timeout 0`", ["--dist-timeout", "0"], "--dist-timeout 0.0: must be > 0 (minutes)"),
     ("`--correction-cap 0.5`", ["--correction-cap", "0.5"], "--correction-cap 0.5: must be >= 1"),
     ("`--vllm-gpu-memory 1.5`", ["--vllm-gpu-memory", "1.5"], "--vllm-gpu-memory 1.5: must be in (0, 1]"),
     ("`--lora-rank -1`", ["--lora-rank", "-1"], "--lora-rank -1: must be >= 0 (0: full fine-tuning)"),
     ("`--lora-alpha 0`", ["--lora-rank", "8", "--lora-alpha", "0"], "--lora-alpha 0.0: must be > 0"),
-    ("`--lora-targets` that match no module", ["--lora-rank", "8", "--lora-targets", "qproj"],
-     "--lora-targets qproj: Target modules {'qproj'} not found in the base model"),
-    ("`--lora-targets` of a kind peft cannot adapt", ["--lora-rank", "8", "--lora-targets", "input_layernorm"],
-     "--lora-targets input_layernorm: Target module Qwen3RMSNorm((128,), eps=1e-06) is not supported"),
+    (
+        "`--lora-targets` that match no module",
+        ["--lora-rank", "8", "--lora-targets", "qproj"],
+        "--lora-targets qproj: Target modules {'qproj'} not found in the base model",
+    ),
+    (
+        "`--lora-targets` of a kind peft cannot adapt",
+        ["--lora-rank", "8", "--lora-targets", "input_layernorm"],
+        "--lora-targets input_layernorm: Target module Qwen3RMSNorm((128,), eps=1e-06) is not supported",
+    ),
     ("non-UTF-8 bytes in a JSONL file", ["--dataset", "{tmp}/latin1.jsonl"], "latin1.jsonl:2: not UTF-8"),
-    ("real text (capitals, other scripts) with the default tiny model: `--model` forgotten",
-     ["--dataset", "{tmp}/words.jsonl", "--eval-size", "4"], ": its tokenizer cannot encode the training data"
-     " (WordLevel error: Missing [UNK] token from the vocabulary). Pass a --model"),
+    (
+        "real text (capitals, other scripts) with the default tiny model: `--model` forgotten",
+        ["--dataset", "{tmp}/words.jsonl", "--eval-size", "4"],
+        ": its tokenizer cannot encode the training data"
+        " (WordLevel error: Missing [UNK] token from the vocabulary). Pass a --model",
+    ),
     ("`--run-name ../x`", ["--run-name", "../x"], "--run-name '../x': must be a folder name under --output-dir"),
     ("`--run-name` an absolute path", ["--run-name", "/tmp/x"], "--run-name '/tmp/x': must be a folder name"),
-    ("`--task chain` with `--dataset`", ["--task", "chain", "--dataset", "{tmp}/train.jsonl"],
-     "--task chain is a built-in dataset: pass --task or --dataset, not both."),
-    ("`--demos-per-group 8` with `--group-size 8` (gvpo.py)", ["gvpo.py", "--demos-per-group", "8"],
-     "--demos-per-group 8: must be in [0, --group-size 8) (each group samples at least one completion)"),
+    (
+        "`--task chain` with `--dataset`",
+        ["--task", "chain", "--dataset", "{tmp}/train.jsonl"],
+        "--task chain is a built-in dataset: pass --task or --dataset, not both.",
+    ),
+    (
+        "`--demos-per-group 8` with `--group-size 8` (gvpo.py)",
+        ["gvpo.py", "--demos-per-group", "8"],
+        "--demos-per-group 8: must be in [0, --group-size 8) (each group samples at least one completion)",
+    ),
     ("`--clip-eps 1.5`", ["--clip-eps", "1.5"], "--clip-eps 1.5: must be in (0, 1)"),
     ("`--max-gen-rounds 0` (dapo.py)", ["dapo.py", "--max-gen-rounds", "0"], "--max-gen-rounds 0: must be >= 1"),
     ("`--is-eps-low 2` (cispo.py)", ["cispo.py", "--is-eps-low", "2"], "--is-eps-low 2.0: must be in [0, 1]"),
@@ -65,113 +91,209 @@ AT_START_UP = [
     ("`--tau-neg 0` (sapo.py)", ["sapo.py", "--tau-neg", "0"], "--tau-neg 0.0: must be > 0"),
     ("`--delta 0` (dppo.py)", ["dppo.py", "--divergence", "kl", "--delta", "0"], "--delta 0.0: must be > 0"),
     ("`--gamma 1.5` (ppo.py)", ["ppo.py", "--gamma", "1.5"], "--gamma 1.5: must be in [0, 1]"),
-    ("a `--dataset` folder holding a loading script", ["--dataset", "{tmp}/script_data"],
-     "script_data': cannot load it (RuntimeError: Dataset scripts are no longer supported"),
-    ("every prompt (or every answer) empty: a field that names the wrong column",
-     ["--dataset", "{tmp}/empty_prompts.jsonl", "--eval-size", "4"],
-     "empty_prompts.jsonl': every prompt is empty. Name the field that holds the prompts with --prompt-field"),
-    ("`--eval-split test` with a JSONL `--dataset`: no splits, so the held-out rows would be the training rows",
-     ["--dataset", "{tmp}/train.jsonl", "--eval-split", "test"], "train.jsonl' is a JSONL file, which has no splits: "
-     "the held-out rows would be the training rows. Pass --eval-dataset with a file of held-out rows, or leave "
-     "--eval-split out to hold out the last --eval-size rows."),
-    ("`--split validation` with a JSONL `--dataset`", ["--dataset", "{tmp}/train.jsonl", "--split", "validation"],
-     "train.jsonl' is a JSONL file, which has no splits. Leave --split out, or pass a dataset that has them."),
-    ("`--eval-dataset` the same file as `--dataset`", ["--dataset", "{tmp}/train.jsonl", "--eval-dataset",
-     "{tmp}/train.jsonl"], "train.jsonl': the held-out rows would be the training rows. Pass --eval-dataset with "
-     "other rows, another --eval-split, or neither (the last --eval-size rows are held out)."),
-    ("a prompt that is an empty list of messages", ["--dataset", "{tmp}/chat.jsonl", "--prompt-field", "none"],
-     "chat.jsonl:1: field none: no messages (an empty list). Fix the row, or name another field with --prompt-field."),
-    ("a chat message without `role` or `content`", ["--dataset", "{tmp}/chat.jsonl", "--prompt-field", "no_role"],
-     "chat.jsonl:1: field no_role: message 1 must be {'role': text, 'content': text}, got {'content': '1+1'}. Fix the "
-     "row, or name another field with --prompt-field."),
-    ("a chat message whose content is not text (content parts)", ["--dataset", "{tmp}/chat.jsonl", "--prompt-field",
-     "parts"], "chat.jsonl:1: field parts: message 1 must be {'role': text, 'content': text}, got {'role': 'user', "
-     "'content': [{'type': 'text', 'text': '1+1'}]}."),
-    ("a dotted `--answer-field` that a row lacks", ["--dataset", "{tmp}/chat.jsonl", "--answer-field",
-     "reward_model.answer"], "chat.jsonl:1: missing field reward_model.answer (reward_model has ground_truth, style). "
-     "Name the field with --answer-field."),
-    ("chat-message prompts with `--no-chat-template`", ["--dataset", "{tmp}/chat.jsonl", "--no-chat-template"],
-     "chat.jsonl:1: field prompt: chat messages, which need a chat template; --no-chat-template turns it "
-     "off. Leave --no-chat-template out, or give them as text."),
-    ("`--system-prompt` with `--no-chat-template`", ["--system-prompt", "be brief", "--no-chat-template"],
-     "--system-prompt 'be brief': a system message needs the chat template; --no-chat-template turns it off."),
-    ("`--seed 99999999999999999999999`", ["--seed", "99999999999999999999999"],
-     "--seed 99999999999999999999999: must be in [0, 2**63)"),
+    (
+        "a `--dataset` folder holding a loading script",
+        ["--dataset", "{tmp}/script_data"],
+        "script_data': cannot load it (RuntimeError: Dataset scripts are no longer supported",
+    ),
+    (
+        "every prompt (or every answer) empty: a field that names the wrong column",
+        ["--dataset", "{tmp}/empty_prompts.jsonl", "--eval-size", "4"],
+        "empty_prompts.jsonl': every prompt is empty. Name the field that holds the prompts with --prompt-field",
+    ),
+    (
+        "`--eval-split test` with a JSONL `--dataset`: no splits, so the held-out rows would be the training rows",
+        ["--dataset", "{tmp}/train.jsonl", "--eval-split", "test"],
+        "train.jsonl' is a JSONL file, which has no splits: "
+        "the held-out rows would be the training rows. Pass --eval-dataset with a file of held-out rows, or leave "
+        "--eval-split out to hold out the last --eval-size rows.",
+    ),
+    (
+        "`--split validation` with a JSONL `--dataset`",
+        ["--dataset", "{tmp}/train.jsonl", "--split", "validation"],
+        "train.jsonl' is a JSONL file, which has no splits. Leave --split out, or pass a dataset that has them.",
+    ),
+    (
+        "`--eval-dataset` the same file as `--dataset`",
+        ["--dataset", "{tmp}/train.jsonl", "--eval-dataset", "{tmp}/train.jsonl"],
+        "train.jsonl': the held-out rows would be the training rows. Pass --eval-dataset with "
+        "other rows, another --eval-split, or neither (the last --eval-size rows are held out).",
+    ),
+    (
+        "a prompt that is an empty list of messages",
+        ["--dataset", "{tmp}/chat.jsonl", "--prompt-field", "none"],
+        "chat.jsonl:1: field none: no messages (an empty list). Fix the row, or name another field "
+        "with --prompt-field.",
+    ),
+    (
+        "a chat message without `role` or `content`",
+        ["--dataset", "{tmp}/chat.jsonl", "--prompt-field", "no_role"],
+        "chat.jsonl:1: field no_role: message 1 must be {'role': text, 'content': text}, got "
+        "{'content': '1+1'}. Fix the "
+        "row, or name another field with --prompt-field.",
+    ),
+    (
+        "a chat message whose content is not text (content parts)",
+        ["--dataset", "{tmp}/chat.jsonl", "--prompt-field", "parts"],
+        "chat.jsonl:1: field parts: message 1 must be {'role': text, 'content': text}, got {'role': 'user', "
+        "'content': [{'type': 'text', 'text': '1+1'}]}.",
+    ),
+    (
+        "a dotted `--answer-field` that a row lacks",
+        ["--dataset", "{tmp}/chat.jsonl", "--answer-field", "reward_model.answer"],
+        "chat.jsonl:1: missing field reward_model.answer (reward_model has ground_truth, style). "
+        "Name the field with --answer-field.",
+    ),
+    (
+        "chat-message prompts with `--no-chat-template`",
+        ["--dataset", "{tmp}/chat.jsonl", "--no-chat-template"],
+        "chat.jsonl:1: field prompt: chat messages, which need a chat template; --no-chat-template turns it "
+        "off. Leave --no-chat-template out, or give them as text.",
+    ),
+    (
+        "`--system-prompt` with `--no-chat-template`",
+        ["--system-prompt", "be brief", "--no-chat-template"],
+        "--system-prompt 'be brief': a system message needs the chat template; --no-chat-template turns it off.",
+    ),
+    (
+        "`--seed 99999999999999999999999`",
+        ["--seed", "99999999999999999999999"],
+        "--seed 99999999999999999999999: must be in [0, 2**63)",
+    ),
     ("`--temperature 1e-45`", ["--temperature", "1e-45"], "--temperature 1e-45: must be >= 0.01"),
-    ("`--max-tokens-per-micro-batch 0`", ["--max-tokens-per-micro-batch", "0"],
-     "--max-tokens-per-micro-batch 0: must be >= 1 (or left out: no limit)"),
-    ("a `--reward-fn` that returns a dict", ["--reward-fn", "{tmp}/user_rewards.py:as_dict"],
-     "must return a list of one finite float per completion (2), got {0: 1.0, 1: 1.0}"),
-    ("a `--reward-fn` that empties the list it was given", ["--reward-fn", "{tmp}/user_rewards.py:emptied"],
-     "must return a list of one finite float per completion (2), got []"),
+    (
+        "`--max-tokens-per-micro-batch 0`",
+        ["--max-tokens-per-micro-batch", "0"],
+        "--max-tokens-per-micro-batch 0: must be >= 1 (or left out: no limit)",
+    ),
+    (
+        "a `--reward-fn` that returns a dict",
+        ["--reward-fn", "{tmp}/user_rewards.py:as_dict"],
+        "must return a list of one finite float per completion (2), got {0: 1.0, 1: 1.0}",
+    ),
+    (
+        "a `--reward-fn` that empties the list it was given",
+        ["--reward-fn", "{tmp}/user_rewards.py:emptied"],
+        "must return a list of one finite float per completion (2), got []",
+    ),
     ("an `--env` file that does not exist", ["--env", "{tmp}/nowhere.py:Env"], "nowhere.py:Env': cannot import '"),
-    ("an `--env` class its file does not have", ["--env", "{tmp}/user_rewards.py:Game"],
-     "user_rewards.py' has no class 'Game'."),
-    ("an `--env` class without a `step` method", ["--env", "{tmp}/user_rewards.py:NoStep"],
-     "user_rewards.py:NoStep: class: must have a step(action) method, got <class '"),
+    (
+        "an `--env` class its file does not have",
+        ["--env", "{tmp}/user_rewards.py:Game"],
+        "user_rewards.py' has no class 'Game'.",
+    ),
+    (
+        "an `--env` class without a `step` method",
+        ["--env", "{tmp}/user_rewards.py:NoStep"],
+        "user_rewards.py:NoStep: class: must have a step(action) method, got <class '",
+    ),
     ("`--max-turns 0`", ["--task", "guess", "--max-turns", "0"], "--max-turns 0: must be >= 1 (1: single-turn)"),
-    ("`--max-turns 3` without an environment", ["--max-turns", "3"],
-     "--max-turns 3: turns after the first answer an environment's observation. Pass --env file.py:Class"),
-    ("`--reward-model` with an environment (ppo.py)", ["ppo.py", "--task", "guess", "--reward-model", "{tmp}"],
-     ": must be left out with --env and --task guess (single-turn: an environment scores its episodes)"),
-    ("`--demos-per-group` with an environment (gvpo.py)", ["gvpo.py", "--task", "guess", "--demos-per-group", "2"],
-     "--demos-per-group 2: must be 0 with --env and --task guess (an episode has no demonstration)"),
+    (
+        "`--max-turns 3` without an environment",
+        ["--max-turns", "3"],
+        "--max-turns 3: turns after the first answer an environment's observation. Pass --env file.py:Class",
+    ),
+    (
+        "`--reward-model` with an environment (ppo.py)",
+        ["ppo.py", "--task", "guess", "--reward-model", "{tmp}"],
+        ": must be left out with --env and --task guess (single-turn: an environment scores its episodes)",
+    ),
+    (
+        "`--demos-per-group` with an environment (gvpo.py)",
+        ["gvpo.py", "--task", "guess", "--demos-per-group", "2"],
+        "--demos-per-group 2: must be 0 with --env and --task guess (an episode has no demonstration)",
+    ),
 ]
 
 # Inputs found later, each with its own test below: (input, the start of the message).
 LATER = {
-    "shapes": ("same weight names with other shapes at `--resume`",
-               "cannot restore it: Size mismatch between saved torch.Size"),
+    "shapes": (
+        "same weight names with other shapes at `--resume`",
+        "cannot restore it: Size mismatch between saved torch.Size",
+    ),
     "ctrl-c": ("Ctrl-C", "stopped (Ctrl-C). Last checkpoint: "),
-    "os": ("what the OS refuses: `--output-dir` a file (or under one, or not writable), a `--run-name` too long",
-           "error: [Errno 20] Not a directory: "),
+    "os": (
+        "what the OS refuses: `--output-dir` a file (or under one, or not writable), a `--run-name` too long",
+        "error: [Errno 20] Not a directory: ",
+    ),
     "shard": ("a 0-byte or raw-pickle shard of the resumable state", "cannot restore it: "),
-    "full": ("a full disk while `--resume latest` cuts `metrics.jsonl` back to the checkpoint's step",
-             "[Errno 28] No space left on device"),
-    "full save": ("a full disk while a step checkpoint or `final/` is written (the checkpoint's folder, its size and "
-                  "the space free)", "error: cannot write "),
-    "exit": ("a `--reward-fn` that calls `sys.exit(0)`",
-             "called sys.exit(0). A reward function must return its values"),
-    "env": ("an `--env` whose `__init__`, `reset` or `step` raises, or that gives a value of the wrong kind (`stop`, "
-            "`reset()`'s first message or its length, `step()`'s observation, reward or `done`): "
-            "tests/test_multiturn.py, the rules in docs/environments.md", "--env "),
+    "full": (
+        "a full disk while `--resume latest` cuts `metrics.jsonl` back to the checkpoint's step",
+        "[Errno 28] No space left on device",
+    ),
+    "full save": (
+        "a full disk while a step checkpoint or `final/` is written (the checkpoint's folder, its size and "
+        "the space free)",
+        "error: cannot write ",
+    ),
+    "exit": (
+        "a `--reward-fn` that calls `sys.exit(0)`",
+        "called sys.exit(0). A reward function must return its values",
+    ),
+    "env": (
+        "an `--env` whose `__init__`, `reset` or `step` raises, or that gives a value of the wrong kind (`stop`, "
+        "`reset()`'s first message or its length, `step()`'s observation, reward or `done`): "
+        "tests/test_multiturn.py, the rules in docs/environments.md",
+        "--env ",
+    ),
 }
 
 # Inputs that are handled rather than refused: (input, what happens), each with its test below.
 HANDLED = [
-    ("a `--model` that needs custom code (`auto_map`), even answered 'y' on standard input",
-     "transformers refuses it: every load passes `trust_remote_code=False`, and nothing from the folder runs"),
-    ("a `--model` folder whose pickled `pytorch_model.bin` holds more than tensors",
-     "transformers refuses it (`torch.load(weights_only=True)`): nothing in it runs"),
-    ("a module of the grader's name (`sympy.py`, ...) in the working directory of a run on math data",
-     "not imported: Python puts the script's folder first on the import path, not the working directory "
-     "(only a `--reward-fn module:function` is imported from it)"),
-    ("a run killed after logging a step, before its first checkpoint, run again with the same name",
-     "starts over in its folder; what it logged is kept in `metrics.jsonl.old`"),
-    ("`--resume latest` in a copied or moved repository, on the default model",
-     "goes on: the default model's new path is printed among the changed flags"),
-    ("control characters (ANSI escapes) in a flag value of `checkpoint.json`",
-     "printed escaped (`repr`) in the 'flags changed' line"),
-    ("a `--reward-fn` that hangs",
-     "no deadline: it runs in the training process, where it may hold a model or a connection. Under torchrun "
-     "the other ranks stop after `--dist-timeout`; on one process, Ctrl-C stops it. Give its own calls a timeout"),
+    (
+        "a `--model` that needs custom code (`auto_map`), even answered 'y' on standard input",
+        "transformers refuses it: every load passes `trust_remote_code=False`, and nothing from the folder runs",
+    ),
+    (
+        "a `--model` folder whose pickled `pytorch_model.bin` holds more than tensors",
+        "transformers refuses it (`torch.load(weights_only=True)`): nothing in it runs",
+    ),
+    (
+        "a module of the grader's name (`sympy.py`, ...) in the working directory of a run on math data",
+        "not imported: Python puts the script's folder first on the import path, not the working directory "
+        "(only a `--reward-fn module:function` is imported from it)",
+    ),
+    (
+        "a run killed after logging a step, before its first checkpoint, run again with the same name",
+        "starts over in its folder; what it logged is kept in `metrics.jsonl.old`",
+    ),
+    (
+        "`--resume latest` in a copied or moved repository, on the default model",
+        "goes on: the default model's new path is printed among the changed flags",
+    ),
+    (
+        "control characters (ANSI escapes) in a flag value of `checkpoint.json`",
+        "printed escaped (`repr`) in the 'flags changed' line",
+    ),
+    (
+        "a `--reward-fn` that hangs",
+        "no deadline: it runs in the training process, where it may hold a model or a connection. Under torchrun "
+        "the other ranks stop after `--dist-timeout`; on one process, Ctrl-C stops it. Give its own calls a timeout",
+    ),
 ]
 
 
 def make_inputs(tmp: Path) -> None:
     rows = [{"prompt": f"{a}+1", "answer": str(a + 1)} for a in range(20)]
     (tmp / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp / "words.jsonl").write_text("".join(json.dumps({"prompt": f"What is {a} + 1? Réponds.", "answer": str(a + 1)})
-                                             + "\n" for a in range(20)))
+    (tmp / "words.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"What is {a} + 1? Réponds.", "answer": str(a + 1)}) + "\n" for a in range(20))
+    )
     (tmp / "latin1.jsonl").write_bytes(b'{"prompt": "1+1", "answer": "2"}\n{"prompt": "\xe9", "answer": "1"}\n')
     (tmp / "script_data").mkdir()
     (tmp / "script_data" / "script_data.py").write_text(f"open({str(tmp / 'code-ran')!r}, 'w')\n")
-    (tmp / "empty_prompts.jsonl").write_text("".join(json.dumps({"prompt": "", "answer": "1"}) + "\n"
-                                                     for _ in range(20)))
+    (tmp / "empty_prompts.jsonl").write_text(
+        "".join(json.dumps({"prompt": "", "answer": "1"}) + "\n" for _ in range(20))
+    )
     (tmp / "user_rewards.py").write_text(USER_REWARDS)
-    chat = {"prompt": [{"role": "user", "content": "1+1"}], "no_role": [{"content": "1+1"}], "answer": "2", "none": [],
-            "parts": [{"role": "user", "content": [{"type": "text", "text": "1+1"}]}],
-            "reward_model": {"ground_truth": "2", "style": "rule"}}
+    chat = {
+        "prompt": [{"role": "user", "content": "1+1"}],
+        "no_role": [{"content": "1+1"}],
+        "answer": "2",
+        "none": [],
+        "parts": [{"role": "user", "content": [{"type": "text", "text": "1+1"}]}],
+        "reward_model": {"ground_truth": "2", "style": "rule"},
+    }
     (tmp / "chat.jsonl").write_text((json.dumps(chat) + "\n") * 20)
 
 
@@ -194,12 +316,14 @@ class NoStep:
 def make_custom_code_model(folder: Path, marker: Path) -> None:
     """The tiny model, its config naming an architecture transformers does not have and, in `auto_map`, a
     Python file beside it that would define it: loading it would run that file, which leaves `marker`."""
-    shutil.copytree(common.DEFAULT_MODEL, folder)
+    shutil.copytree(harness.DEFAULT_MODEL, folder)
     config = json.loads((folder / "config.json").read_text())
     config.update(model_type="mine", auto_map={"AutoConfig": "mine.MineConfig", "AutoModelForCausalLM": "mine.Mine"})
     (folder / "config.json").write_text(json.dumps(config))
-    (folder / "mine.py").write_text(f"open({str(marker)!r}, 'w')\nfrom transformers import Qwen3Config\n"
-                                    "class MineConfig(Qwen3Config):\n    model_type = 'mine'\n")
+    (folder / "mine.py").write_text(
+        f"open({str(marker)!r}, 'w')\nfrom transformers import Qwen3Config\n"
+        "class MineConfig(Qwen3Config):\n    model_type = 'mine'\n"
+    )
 
 
 class Payload:
@@ -217,7 +341,7 @@ def make_pickled_model(folder: Path, marker: Path) -> None:
     import torch
     from safetensors.torch import load_file
 
-    shutil.copytree(common.DEFAULT_MODEL, folder)
+    shutil.copytree(harness.DEFAULT_MODEL, folder)
     weights = load_file(folder / "model.safetensors")
     (folder / "model.safetensors").unlink()
     torch.save({**weights, "extra": Payload(marker)}, folder / "pytorch_model.bin")
@@ -239,8 +363,20 @@ def test_bad_input_stops_at_start_up_with_one_line(tmp_path, what, argv, message
 
 
 def small(tmp_path: Path, *more: str, steps: int = 4) -> list[str]:
-    return ["grpo.py", "--num-steps", str(steps), "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0",
-            "--output-dir", str(tmp_path / "runs"), *more]
+    return [
+        "grpo.py",
+        "--num-steps",
+        str(steps),
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        "--eval-every",
+        "0",
+        "--output-dir",
+        str(tmp_path / "runs"),
+        *more,
+    ]
 
 
 def test_resume_into_weights_of_other_shapes_stops(tmp_path):
@@ -248,10 +384,11 @@ def test_resume_into_weights_of_other_shapes_stops(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model = tmp_path / "model"
-    shutil.copytree(common.DEFAULT_MODEL, model)
+    shutil.copytree(harness.DEFAULT_MODEL, model)
     args = small(tmp_path, "--model", str(model), "--run-name", "r", "--save-every", "2")
-    grpo.main(cli(grpo.Args, args=small(tmp_path, "--model", str(model), "--run-name", "r", "--save-every", "2",
-                                             steps=2)[1:]))
+    grpo.main(
+        cli(grpo.Args, args=small(tmp_path, "--model", str(model), "--run-name", "r", "--save-every", "2", steps=2)[1:])
+    )
     config = AutoConfig.from_pretrained(model, intermediate_size=256)
     AutoModelForCausalLM.from_config(config).save_pretrained(model)
     with pytest.raises(UsageError) as stop:
@@ -272,11 +409,18 @@ def reward(prompts, completions, answers):
 def test_ctrl_c_says_where_to_resume_and_the_command_works(tmp_path):
     """The run is slowed by its reward (>= 0.5 s a step), so the Ctrl-C lands well before its end."""
     (tmp_path / "slow.py").write_text(SLOW_STEPS)
-    args = small(tmp_path, "--run-name", "stopped", "--save-every", "2",
-                 "--reward-fn", f"{tmp_path / 'slow.py'}:reward", steps=6)
-    proc = subprocess.Popen([sys.executable, str(ROOT / args[0]), *args[1:]], cwd=tmp_path, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            preexec_fn=default_sigint)
+    args = small(
+        tmp_path, "--run-name", "stopped", "--save-every", "2", "--reward-fn", f"{tmp_path / 'slow.py'}:reward", steps=6
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / args[0]), *args[1:]],
+        cwd=tmp_path,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=default_sigint,
+    )
     deadline = time.time() + 900
     while not (tmp_path / "runs" / "stopped" / "step_2").exists() and time.time() < deadline:
         time.sleep(0.05)
@@ -287,8 +431,15 @@ def test_ctrl_c_says_where_to_resume_and_the_command_works(tmp_path):
     assert line.startswith(LATER["ctrl-c"][1]) and "Traceback" not in stderr, stderr
     command = line.split("Go on from it with: ")[1]
     assert command.endswith("--resume latest")
-    result = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=900,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    result = subprocess.run(
+        command,
+        shell=True,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert result.returncode == 0, result.stderr
     assert [m["step"] for m in read_metrics(tmp_path / "runs" / "stopped")] == list(range(6))
 
@@ -302,7 +453,7 @@ def test_eval_size_0_without_evaluation_trains_on_every_row(tmp_path):
 
 def test_non_finite_metrics_are_written_as_null(tmp_path):
     (tmp_path / "run").mkdir()
-    logger = common.Logger(tmp_path / "run", {}, rank=0)
+    logger = harness.Logger(tmp_path / "run", {}, rank=0)
     logger.log(0, {"loss/policy": float("nan"), "policy/grad_norm": float("inf"), "reward/mean": 0.5})
     logger.close()
     line = (tmp_path / "run" / "metrics.jsonl").read_text()
@@ -320,8 +471,12 @@ def test_healthy_runs_print_no_alarming_noise(tmp_path, capfd):
     capfd.readouterr()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        dapo.main(cli(dapo.Args, args=small(tmp_path, "--dataset", str(never), "--eval-size", "4",
-                                                 "--max-gen-rounds", "1", steps=1)[1:]))
+        dapo.main(
+            cli(
+                dapo.Args,
+                args=small(tmp_path, "--dataset", str(never), "--eval-size", "4", "--max-gen-rounds", "1", steps=1)[1:],
+            )
+        )
     out, err = capfd.readouterr()
     assert not re.search(r"warning", err, re.IGNORECASE), err
 
@@ -343,8 +498,10 @@ def copy_run(finished_run: Path, tmp_path: Path) -> Path:
 
 
 def listing(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() and not p.is_symlink() else b""
-            for p in sorted(folder.rglob("*"))}
+    return {
+        str(p.relative_to(folder)): p.read_bytes() if p.is_file() and not p.is_symlink() else b""
+        for p in sorted(folder.rglob("*"))
+    }
 
 
 def resume(tmp_path: Path, checkpoint: str = "latest", *more: str, steps: int = 8, module=grpo):
@@ -449,10 +606,11 @@ def test_a_full_disk_during_a_save_is_one_line_naming_the_folder_and_the_space(s
         grpo.main(cli(grpo.Args, args=argv[1:]))
     message = str(stopped.value)
     assert message.startswith(f"cannot write {small_disk / 'runs' / 'r' / written}: ") and "\n" not in message
-    assert re.search(r"No space left on device.*a checkpoint here takes about \d+\.\d MiB; 0\.\d MiB are free",
-                     message), message
+    assert re.search(
+        r"No space left on device.*a checkpoint here takes about \d+\.\d MiB; 0\.\d MiB are free", message
+    ), message
     assert not list((small_disk / "runs" / "r").glob(f"{written}*"))
-    assert LATER["full save"][1] == "error: " + message[:len(LATER["full save"][1]) - len("error: ")]
+    assert LATER["full save"][1] == "error: " + message[: len(LATER["full save"][1]) - len("error: ")]
 
 
 EXITS = """
@@ -471,8 +629,11 @@ def test_a_reward_fn_that_exits_stops_the_run_as_a_failure(tmp_path):
     (tmp_path / "exits.py").write_text(EXITS)
     result = run(small(tmp_path, "--run-name", "r", "--reward-fn", f"{tmp_path / 'exits.py'}:reward"), cwd=tmp_path)
     assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().splitlines()[-1].startswith(f"error: --reward-fn '{tmp_path / 'exits.py'}:reward' "
-                                                             f"{LATER['exit'][1]}"), result.stderr
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"error: --reward-fn '{tmp_path / 'exits.py'}:reward' {LATER['exit'][1]}")
+    ), result.stderr
 
 
 def test_control_characters_in_a_checkpoints_flags_are_printed_escaped(tmp_path, finished_run, capsys):
@@ -508,8 +669,15 @@ def test_code_in_a_model_folder_never_runs_even_when_the_answer_is_yes(tmp_path,
     that holds more than tensors would run code when unpickled with torch.load's weights_only off."""
     make(tmp_path / "model", tmp_path / "code-ran")
     argv = small(tmp_path, "--model", str(tmp_path / "model"), steps=1)
-    result = subprocess.run([sys.executable, str(ROOT / argv[0]), *argv[1:]], cwd=tmp_path, input="y\n" * 10,
-                            capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    result = subprocess.run(
+        [sys.executable, str(ROOT / argv[0]), *argv[1:]],
+        cwd=tmp_path,
+        input="y\n" * 10,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert result.returncode != 0 and not (tmp_path / "code-ran").exists(), result.stderr
     assert "trust_remote_code" in result.stderr or "Weights only load failed" in result.stderr, result.stderr[-2000:]
 

@@ -32,8 +32,16 @@ def test_memory_formula_counts_parameters_like_the_model():
 
     from benchmarks.memory_fit import Shape
 
-    config = Qwen3Config(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+    config = Qwen3Config(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+    )
     model = Qwen3ForCausalLM(config)
     shape = Shape("t", 3, 64, 96, 4, 2, vocab=100)
     # Qwen3 adds a q/k norm per layer (2 x head_dim) that Qwen2.5's shapes do not have
@@ -44,9 +52,22 @@ def test_learning_curves_write_csv_resume_and_summarize(tmp_path):
     """Two tiny runs of one file with different flags go to the CSV, each with its own rows; a second call
     skips them (nothing rerun), and the table is printed."""
     out = tmp_path / "curves.csv"
-    args = ["-m", "benchmarks.learning_curves", "--configs", "grpo", "grpo --beta 0", "--seeds", "1",
-            "--steps", "2", "--eval-every", "1", "--out", str(out),
-            "--extra=--eval-size 8 --prompts-per-step 4 --group-size 4"]
+    args = [
+        "-m",
+        "benchmarks.learning_curves",
+        "--configs",
+        "grpo",
+        "grpo --beta 0",
+        "--seeds",
+        "1",
+        "--steps",
+        "2",
+        "--eval-every",
+        "1",
+        "--out",
+        str(out),
+        "--extra=--eval-size 8 --prompts-per-step 4 --group-size 4",
+    ]
     result = run(args, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     from benchmarks.learning_curves import read_csv
@@ -66,11 +87,22 @@ def test_learning_curves_summary_counts_steps_to_target():
     from benchmarks.learning_curves import summarize, to_rows
 
     def metrics(accuracies):  # an evaluation before every step, steps of 2 s with 0.5 s of evaluation
-        lines = [{"step": s, "eval/accuracy": a, "eval/accuracy_greedy": a, "reward/mean": 0.5,
-                  "response/length_mean": 3.0, "perf/step_s": 2.0, "perf/eval_s": 0.5, "algo/gen_rounds": 2}
-                 for s, a in enumerate(accuracies[:-1])]
-        return lines + [{"step": len(accuracies) - 1, "eval/accuracy": accuracies[-1],
-                         "eval/accuracy_greedy": accuracies[-1]}]
+        lines = [
+            {
+                "step": s,
+                "eval/accuracy": a,
+                "eval/accuracy_greedy": a,
+                "reward/mean": 0.5,
+                "response/length_mean": 3.0,
+                "perf/step_s": 2.0,
+                "perf/eval_s": 0.5,
+                "algo/gen_rounds": 2,
+            }
+            for s, a in enumerate(accuracies[:-1])
+        ]
+        return lines + [
+            {"step": len(accuracies) - 1, "eval/accuracy": accuracies[-1], "eval/accuracy_greedy": accuracies[-1]}
+        ]
 
     rows = to_rows("x", 1, metrics([0.4, 0.6, 0.75, 0.8]), 10) + to_rows("x", 2, metrics([0.4, 0.5, 0.6, 0.7]), 10)
     (t,) = summarize(rows, target=0.7)
@@ -85,9 +117,20 @@ def test_a_run_collapses_at_the_first_of_five_steps_below_five_percent_rollout_a
     from benchmarks.learning_curves import collapse_step, summarize
 
     def run(seed, accuracy):  # rollouts' accuracy per step; held-out accuracy at steps 0 and the last
-        return [{"config": "x", "seed": seed, "step": s, "correct": a, "eval_accuracy": 0.3 if s == 0 else
-                 (0.1 * seed if s == len(accuracy) - 1 else None), "eval_accuracy_greedy": 0.5, "wall_s": 0.0}
-                for s, a in enumerate(accuracy)]
+        held_out = [None] * len(accuracy)
+        held_out[0], held_out[-1] = 0.3, 0.1 * seed
+        return [
+            {
+                "config": "x",
+                "seed": seed,
+                "step": s,
+                "correct": a,
+                "eval_accuracy": held_out[s],
+                "eval_accuracy_greedy": 0.5,
+                "wall_s": 0.0,
+            }
+            for s, a in enumerate(accuracy)
+        ]
 
     falls = run(1, [0.3, 0.2, 0.06, 0.04, 0.04, 0.04, 0.04, 0.1])  # steps 2-6 average 0.044; steps 1-5 0.076
     dips = run(2, [0.3, 0.0, 0.0, 0.0, 0.0, 0.3, 0.3, 0.3])  # four steps at 0, then back: no five in a row
@@ -127,15 +170,36 @@ def test_dapo_without_its_changes_as_the_lab_runs_it():
 def test_learning_curves_run_changes_and_rates_side_by_side(tmp_path):
     """A +change and --rates run as named in the CSV, --jobs 2 at a time, the rows in the order asked."""
     out = tmp_path / "changes.csv"
-    result = run(["-m", "benchmarks.learning_curves", "--configs", "dapo +keep-all-groups", "--rates", "1e-4",
-                  "--jobs", "2", "--seeds", "1", "2", "--steps", "1", "--eval-every", "1", "--out", str(out),
-                  "--extra=--eval-size 4 --prompts-per-step 2 --group-size 4"], cwd=ROOT)
+    result = run(
+        [
+            "-m",
+            "benchmarks.learning_curves",
+            "--configs",
+            "dapo +keep-all-groups",
+            "--rates",
+            "1e-4",
+            "--jobs",
+            "2",
+            "--seeds",
+            "1",
+            "2",
+            "--steps",
+            "1",
+            "--eval-every",
+            "1",
+            "--out",
+            str(out),
+            "--extra=--eval-size 4 --prompts-per-step 2 --group-size 4",
+        ],
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr
     from benchmarks.learning_curves import read_csv
 
     rows = read_csv(out)
-    assert [(r["config"], r["seed"]) for r in rows] == [("dapo +keep-all-groups --learning-rate 1e-4", seed)
-                                                        for seed in (1, 1, 2, 2)]
+    assert [(r["config"], r["seed"]) for r in rows] == [
+        ("dapo +keep-all-groups --learning-rate 1e-4", seed) for seed in (1, 1, 2, 2)
+    ]
     assert [r["kept_groups_frac"] for r in rows[::2]] == [1.0, 1.0]  # every group trained
 
 
@@ -143,9 +207,27 @@ def test_learning_curves_on_the_chain_task_write_the_lab_columns_and_table(tmp_p
     """--task chain: the lab's metrics as columns, gvpo's demonstrations not counted as sampled, and the
     table of each rollout metric's first and last steps."""
     out = tmp_path / "lab.csv"
-    result = run(["-m", "benchmarks.learning_curves", "--task", "chain", "--configs", "grpo",
-                  "gvpo --demos-per-group 1", "--seeds", "1", "--steps", "2", "--eval-every", "2", "--out", str(out),
-                  "--extra=--eval-size 8 --prompts-per-step 2 --group-size 4"], cwd=ROOT)
+    result = run(
+        [
+            "-m",
+            "benchmarks.learning_curves",
+            "--task",
+            "chain",
+            "--configs",
+            "grpo",
+            "gvpo --demos-per-group 1",
+            "--seeds",
+            "1",
+            "--steps",
+            "2",
+            "--eval-every",
+            "2",
+            "--out",
+            str(out),
+            "--extra=--eval-size 8 --prompts-per-step 2 --group-size 4",
+        ],
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr
     from benchmarks.learning_curves import read_csv
 
@@ -159,9 +241,11 @@ def test_learning_curves_on_the_chain_task_write_the_lab_columns_and_table(tmp_p
 def test_lab_table_gives_first_and_last_steps_over_seeds():
     from benchmarks.learning_curves import LAB, lab_table
 
-    rows = [{"config": "x", "seed": seed, "step": step, "entropy": entropy}
-            for seed, values in ((1, [1.0, 2.0, 3.0, 4.0]), (2, [3.0, 4.0, 5.0, 8.0]))
-            for step, entropy in enumerate(values)]
+    rows = [
+        {"config": "x", "seed": seed, "step": step, "entropy": entropy}
+        for seed, values in ((1, [1.0, 2.0, 3.0, 4.0]), (2, [3.0, 4.0, 5.0, 8.0]))
+        for step, entropy in enumerate(values)
+    ]
     line = lab_table(rows, LAB["chain"], window=2).splitlines()[2].removesuffix(" |").split(" | ")
     assert line[1 + LAB["chain"].index("entropy")] == "2.5 [1.5, 3.5] → 5 [3.5, 6.5]"  # seeds' means of steps 0-1 / 2-3
     assert line[1 + LAB["chain"].index("step_s")] == "-"
@@ -173,8 +257,10 @@ def test_rows_appended_to_an_older_csv_keep_its_columns(tmp_path):
     out = tmp_path / "old.csv"
     out.write_text("config,seed,step,eval_accuracy\ngrpo,1,0,0.5\n")
     append_csv(out, [{"config": "dapo", "seed": 1, "step": 0, "eval_accuracy": 0.25, "entropy": 0.1}])
-    assert read_csv(out) == [{"config": "grpo", "seed": 1, "step": 0, "eval_accuracy": 0.5},
-                             {"config": "dapo", "seed": 1, "step": 0, "eval_accuracy": 0.25}]
+    assert read_csv(out) == [
+        {"config": "grpo", "seed": 1, "step": 0, "eval_accuracy": 0.5},
+        {"config": "dapo", "seed": 1, "step": 0, "eval_accuracy": 0.25},
+    ]
 
 
 def test_gpu_check_runs_at_a_tiny_shape_on_cpu(tmp_path):
@@ -198,7 +284,8 @@ def test_gpu_check_flop_count_matches_torch_flop_counter(recompute_above, shared
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from benchmarks.gpu_check import update_flops
-    from common import DEFAULT_MODEL, get_logprobs
+    from common import get_logprobs
+    from harness import DEFAULT_MODEL
 
     config = AutoConfig.from_pretrained(DEFAULT_MODEL)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
@@ -232,8 +319,9 @@ def test_lockstep_against_another_checkout_runs():
     by length: less padding in what the update computes than the other's 128-row micro-batches in their order); a
     budget of 2,048 positions, two micro-batches of the ~3,400: a smaller one is slower on this toy shape, where each
     forward's fixed cost outweighs the padding it saves (--this-flags=--max-tokens-per-micro-batch 256: ~3x)."""
-    figures = lockstep("--against", str(ROOT), "--flags=--micro-batch-size 128",
-                       "--this-flags=--max-tokens-per-micro-batch 2048")
+    figures = lockstep(
+        "--against", str(ROOT), "--flags=--micro-batch-size 128", "--this-flags=--max-tokens-per-micro-batch 2048"
+    )
     assert 0.5 < figures["ratio"] < 2, figures
     for side in ("this", "other"):
         s = figures[side]
@@ -253,5 +341,3 @@ def test_lockstep_against_trl_runs_when_trl_is_installed():
 def test_lockstep_stops_on_a_bad_against(tmp_path):
     result = run(["-m", "benchmarks.lockstep", "--against", str(tmp_path)], cwd=ROOT)
     assert result.returncode != 0 and "neither 'trl' nor a folder with grpo.py" in result.stderr
-
-

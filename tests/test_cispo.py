@@ -13,8 +13,9 @@ from common import all_reduce_mean
 def coefficients(ratio: torch.Tensor, advantage: torch.Tensor, **kw) -> torch.Tensor:
     """d loss / d log pi per token, for log pi_old = 0 and one token per sequence."""
     lp = torch.log(ratio).requires_grad_()
-    loss, _ = cispo.compute_loss(lp.view(-1, 1), torch.zeros(len(lp), 1), advantage, torch.ones(len(lp), 1),
-                                 num_tokens=1, **kw)
+    loss, _ = cispo.compute_loss(
+        lp.view(-1, 1), torch.zeros(len(lp), 1), advantage, torch.ones(len(lp), 1), num_tokens=1, **kw
+    )
     loss.backward()
     return lp.grad
 
@@ -42,8 +43,9 @@ def test_the_weight_carries_no_gradient():
     # Were the weight not detached, d/d logp of -r A logp would add -r A logp to the coefficient.
     ratio, adv = torch.tensor([1.1]), torch.tensor([2.0])
     assert coefficients(ratio, adv).item() == pytest.approx(-1.1 * 2.0, abs=1e-6)
-    _, metrics = cispo.compute_loss(torch.log(ratio).view(1, 1), torch.zeros(1, 1), adv, torch.ones(1, 1), 1,
-                                    is_eps_high=0.05)
+    _, metrics = cispo.compute_loss(
+        torch.log(ratio).view(1, 1), torch.zeros(1, 1), adv, torch.ones(1, 1), 1, is_eps_high=0.05
+    )
     metrics = all_reduce_mean(metrics)  # (sum, count) pairs, as logged
     assert metrics["policy/clipfrac"] == 1.0 and metrics["algo/is_weight_mean"] == pytest.approx(1.05)
 

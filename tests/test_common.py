@@ -10,25 +10,20 @@ import torch
 from transformers import AutoTokenizer
 
 from common import (
-    DEFAULT_MODEL,
     UsageError,
-    builtin_splits,
     call_reward_fn,
     cat_rollouts,
     final_answer,
     format_prompt,
     generate,
     get_logprobs,
-    load_model,
-    load_object,
-    load_rows,
-    load_tokenizer,
     micro_batches,
     prompt_batch,
     score,
     select_rows,
 )
 from conftest import ROOT
+from harness import DEFAULT_MODEL, builtin_splits, load_model, load_object, load_rows, load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +126,17 @@ def test_recomputed_logprobs_match_generate_logits_under_temperature(model, toke
     torch.manual_seed(0)
     prompts = [format_prompt(tokenizer, p, True) for p in ("1+2", "45+67", "99+9")]
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    out = model.generate(**enc, do_sample=True, temperature=T, top_k=0, top_p=1.0, max_new_tokens=6,
-                         output_logits=True, return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id)
+    out = model.generate(
+        **enc,
+        do_sample=True,
+        temperature=T,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=6,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     P = enc.input_ids.shape[1]
     response = out.sequences[:, P:]
     raw = torch.stack(out.logits, 1)  # (B, L, V) before any processing
@@ -171,11 +175,14 @@ def naive_logprobs(model, ids, attention, P, T):
     return logprobs.gather(-1, ids[:, P:, None]).squeeze(-1) * attention[:, P:]
 
 
-@pytest.mark.parametrize("recompute_above, chunk_size", [
-    (0, 5),  # chunks recomputed in the backward pass
-    (2**27, 5),  # chunks kept for it
-    (2**27, None),  # kept, in one product (the default below the threshold)
-])
+@pytest.mark.parametrize(
+    "recompute_above, chunk_size",
+    [
+        (0, 5),  # chunks recomputed in the backward pass
+        (2**27, 5),  # chunks kept for it
+        (2**27, None),  # kept, in one product (the default below the threshold)
+    ],
+)
 def test_chunked_logprobs_and_gradients_equal_full_log_softmax(float64_model, tokenizer, recompute_above, chunk_size):
     model = float64_model
     torch.manual_seed(0)
@@ -185,8 +192,15 @@ def test_chunked_logprobs_and_gradients_equal_full_log_softmax(float64_model, to
     (expected * torch.arange(expected.numel()).view_as(expected)).sum().backward()
     expected_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    logprobs, _ = get_logprobs(model, r.input_ids, r.attention_mask, r.prompt_length, 1.3, chunk_size=chunk_size,
-                               recompute_above=recompute_above)
+    logprobs, _ = get_logprobs(
+        model,
+        r.input_ids,
+        r.attention_mask,
+        r.prompt_length,
+        1.3,
+        chunk_size=chunk_size,
+        recompute_above=recompute_above,
+    )
     torch.testing.assert_close(logprobs, expected, atol=1e-12, rtol=0)
     (logprobs * torch.arange(logprobs.numel()).view_as(logprobs)).sum().backward()
     for p, g in zip(model.parameters(), expected_grads):
@@ -280,8 +294,9 @@ def test_a_micro_batch_runs_on_the_columns_its_rows_use(model, tokenizer):
         row_ids, row_P = ids[i, used][None], int(mask[i, :P].sum())
         alone = [x[0] for x in get_logprobs(model, row_ids, torch.ones_like(row_ids), row_P, 1.0)]
         n = len(alone[0])
-        for cut, row in zip((logprobs[i], entropy[i], values[i]), (*alone, critic(row_ids, torch.ones_like(row_ids),
-                                                                                    row_P)[0])):
+        for cut, row in zip(
+            (logprobs[i], entropy[i], values[i]), (*alone, critic(row_ids, torch.ones_like(row_ids), row_P)[0])
+        ):
             torch.testing.assert_close(cut[:n], row, atol=1e-5, rtol=0)
             assert (cut[n:] == 0).all()
 
@@ -310,13 +325,14 @@ def test_micro_batches_keep_groups_whole_where_their_shared_prompt_pays():
     group's prompt once a micro-batch); by groups, [0, 1] and [2, 3] 2 x (1 + 2 x 8) = 34: rows. Prompts long
     (8, responses 1, 4, 2, 3), budget 24: by rows, [1, 3] and [0, 2], 2 x 8 + 2 x 4 + 2 x 8 + 2 x 2 = 44; by
     groups, 8 + 2 x 4 + 8 + 2 x 3 = 30: groups. `whole` keeps groups together even where rows compute fewer."""
+
     def cut(lengths: list[tuple[int, int]], budget: int, group_size: int = 2, **kwargs) -> list[list[int]]:
         mask = torch.tensor([[0] * (8 - p) + [1] * (p + r) + [0] * (8 - r) for p, r in lengths])
         return [b.tolist() for b in micro_batches(torch.arange(4), mask, 8, 4, budget, group_size, **kwargs)]
 
     long_responses = [(1, 8), (1, 1), (1, 8), (1, 1)]
     assert cut(long_responses, 20) == [[0, 2], [1, 3]]
-    assert cut(long_responses, 20, whole=True) == [[0, 1], [2, 3]]
+    assert cut(long_responses, 20, whole_groups=True) == [[0, 1], [2, 3]]
     assert cut([(8, 1), (8, 4), (8, 2), (8, 3)], 24) == [[0, 1], [2, 3]]
     assert cut([(8, 1), (8, 4), (8, 2), (8, 3)], 24, group_size=1) == [[1, 3], [0, 2]]  # no groups: by rows
 
@@ -356,11 +372,11 @@ def test_final_answer(text, answer):
 
 def test_score_components():
     completions = ["12", " 12 ", "12 13", "13"]
-    rewards, parts = score([{"prompt": "p", "answer": "12"}], completions, 4, exact=True, format_weight=0.5)
+    rewards, parts = score([{"prompt": "p", "answer": "12"}], completions, 4, exact_match=True, format_weight=0.5)
     assert parts["correct"].tolist() == [1, 1, 0, 0]  # exact: the whole completion is the answer
     assert parts["format"].tolist() == [1, 1, 0, 1]
     assert rewards.tolist() == [1.5, 1.5, 0, 0.5]
-    _, parts = score([{"prompt": "p", "answer": "13"}], completions, 4, exact=False)
+    _, parts = score([{"prompt": "p", "answer": "13"}], completions, 4, exact_match=False)
     assert parts["correct"].tolist() == [0, 0, 1, 1]  # math: the last number
 
 
@@ -375,26 +391,34 @@ def test_user_reward_fn(tmp_path):
     )
     spec = str(tmp_path / "my_rewards.py") + ":length"
     fn = load_object(spec, "--reward-fn", "function")
-    rewards, parts = score([{"prompt": "p", "answer": "1"}], ["1", "abc"], 2, exact=True, reward_fn=fn,
-                           reward_fn_spec=spec)
+    rewards, parts = score(
+        [{"prompt": "p", "answer": "1"}], ["1", "abc"], 2, exact_match=True, reward_fn=fn, reward_fn_spec=spec
+    )
     assert parts["user"].tolist() == [1, 3] and rewards.tolist() == [2, 3]
-    for name, message in [("broken", "raised KeyError: 'oops'"),
-                          ("short", r"one finite float per completion \(2\), got \[1.0\]"),
-                          ("none", "got None"), ("nan", r"got \[nan, nan\]"), ("text", r"got \['a', 'a'\]")]:
+    for name, message in [
+        ("broken", "raised KeyError: 'oops'"),
+        ("short", r"one finite float per completion \(2\), got \[1.0\]"),
+        ("none", "got None"),
+        ("nan", r"got \[nan, nan\]"),
+        ("text", r"got \['a', 'a'\]"),
+    ]:
         spec = f"{tmp_path / 'my_rewards.py'}:{name}"
         with pytest.raises(UsageError, match=message):
             call_reward_fn(load_object(spec, "--reward-fn", "function"), spec, ["p", "p"], ["1", "2"], ["1", "1"])
-    for spec, message in [("no_such_module_xyz:f", "cannot import"), ("nocolon", "expected 'module:function'"),
-                          (f"{tmp_path / 'my_rewards.py'}:missing", "no function"),
-                          (f"{tmp_path / 'nofile.py'}:f", "cannot import")]:
+    for spec, message in [
+        ("no_such_module_xyz:f", "cannot import"),
+        ("nocolon", "expected 'module:function'"),
+        (f"{tmp_path / 'my_rewards.py'}:missing", "no function"),
+        (f"{tmp_path / 'nofile.py'}:f", "cannot import"),
+    ]:
         with pytest.raises(UsageError, match=message):
             load_object(spec, "--reward-fn", "function")
 
 
-
 def test_a_reward_module_is_imported_from_the_working_directory_and_sys_path_is_left_as_it_was(tmp_path, monkeypatch):
-    (tmp_path / "cwd_rewards.py").write_text("def one(prompts, completions, answers):\n"
-                                             "    return [1.0] * len(completions)\n")
+    (tmp_path / "cwd_rewards.py").write_text(
+        "def one(prompts, completions, answers):\n    return [1.0] * len(completions)\n"
+    )
     monkeypatch.chdir(tmp_path)
     before = list(sys.path)
     fn = load_object("cwd_rewards:one", "--reward-fn", "function")
@@ -403,11 +427,20 @@ def test_a_reward_module_is_imported_from_the_working_directory_and_sys_path_is_
 
 def test_importing_the_plumbing_changes_nothing_outside_it():
     """No import-time side effects: transformers' progress bars and sys.path are as they were."""
-    child = ("import sys, transformers; path = list(sys.path); import common; "
-             "print(transformers.utils.logging.is_progress_bar_enabled(), sys.path == path)")
-    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    child = (
+        "import sys, transformers; path = list(sys.path); import common, harness; "
+        "print(transformers.utils.logging.is_progress_bar_enabled(), sys.path == path)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", child],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert out.stdout.split() == ["True", "True"], out.stderr
+
 
 def test_a_tokenizer_without_a_pad_token_pads_with_an_existing_id(tmp_path):
     """The model's vocabulary is never changed (a grown one would not load the run's LoRA adapter onto the
@@ -486,7 +519,12 @@ def test_peak_memory_is_this_process_own(tmp_path):
     held = bytearray(2**31)
     held[:: 2**12] = b"\x01" * (2**31 // 2**12)  # every page resident
     child = "import torch; from common import peak_memory_gb; print(peak_memory_gb(torch.device('cpu')))"
-    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parent.parent)
+    out = subprocess.run(
+        [sys.executable, "-c", child],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     del held
     assert 0.05 < float(out.stdout) < 1.5, out.stdout  # torch imported: a few hundred MB, not 2 GiB

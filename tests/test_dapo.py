@@ -98,8 +98,19 @@ def write_dataset(path: Path, impossible: set[int], size: int = 200) -> Path:
 def run_main(tmp_path, monkeypatch, dataset: Path, **overrides) -> tuple[list[int], list[dict]]:
     """dapo.main in-process; returns the number of completions trained on per step, and the metrics."""
     trained = record_batch_sizes(monkeypatch, dapo)
-    args = dapo.Args(**{"dataset": str(dataset), "eval_size": 4, "num_steps": 2, "prompts_per_step": 8,
-                        "group_size": 4, "eval_every": 0, "output_dir": str(tmp_path), "run_name": "ds", **overrides})
+    args = dapo.Args(
+        **{
+            "dataset": str(dataset),
+            "eval_size": 4,
+            "num_steps": 2,
+            "prompts_per_step": 8,
+            "group_size": 4,
+            "eval_every": 0,
+            "output_dir": str(tmp_path),
+            "run_name": "ds",
+            **overrides,
+        }
+    )
     dapo.main(args)
     return trained, read_metrics(tmp_path / "ds")
 
@@ -132,9 +143,31 @@ def test_two_ranks_keeping_different_numbers_of_groups_do_not_hang(tmp_path):
     rounds than rank 1 needs, and both must still run the same collectives."""
     first_round_rank0 = prompt_batch(list(range(200)), 0, 8, rank=0, world_size=2, seed=1)
     dataset = write_dataset(tmp_path / "d.jsonl", impossible=set(first_round_rank0))
-    result = run(["dapo.py", "--dataset", str(dataset), "--eval-size", "4", "--num-steps", "2",
-                  "--prompts-per-step", "8", "--group-size", "4", "--eval-every", "0", "--output-dir", str(tmp_path),
-                  "--run-name", "ranks", "--seed", "1"], cwd=tmp_path, torchrun=2)
+    result = run(
+        [
+            "dapo.py",
+            "--dataset",
+            str(dataset),
+            "--eval-size",
+            "4",
+            "--num-steps",
+            "2",
+            "--prompts-per-step",
+            "8",
+            "--group-size",
+            "4",
+            "--eval-every",
+            "0",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "ranks",
+            "--seed",
+            "1",
+        ],
+        cwd=tmp_path,
+        torchrun=2,
+    )
     assert result.returncode == 0, result.stderr
     assert read_metrics(tmp_path / "ranks")[0]["algo/gen_rounds"] >= 2
 

@@ -23,8 +23,9 @@ TOKENS = [(0.001, 0.003), (0.5, 0.9), (0.99, 0.8)]
 def masks(divergence, delta, advantage):
     mu = torch.tensor([[m for m, _ in TOKENS]], dtype=torch.float64)
     p = torch.tensor([[q for _, q in TOKENS]], dtype=torch.float64)
-    return dppo.divergence_mask(p.log(), mu.log(), torch.tensor([[advantage]], dtype=torch.float64), divergence,
-                                delta)[0].tolist()
+    return dppo.divergence_mask(p.log(), mu.log(), torch.tensor([[advantage]], dtype=torch.float64), divergence, delta)[
+        0
+    ].tolist()
 
 
 def test_the_mask_bounds_the_probability_move_not_the_ratio():
@@ -48,8 +49,9 @@ def test_loss_gradient_and_metrics_hand_worked():
     # sum_t r |A| = 5.6080808 removed: 1.8 / 5.6080808 = 0.3209654.
     mu = torch.tensor([[m for m, _ in TOKENS]], dtype=torch.float64)
     logprobs = torch.tensor([[q for _, q in TOKENS]], dtype=torch.float64).log().requires_grad_()
-    loss, metrics = dppo.compute_loss(logprobs, mu.log(), None, torch.ones(1, dtype=torch.float64),
-                                      torch.ones(1, 3, dtype=torch.float64), 1)
+    loss, metrics = dppo.compute_loss(
+        logprobs, mu.log(), None, torch.ones(1, dtype=torch.float64), torch.ones(1, 3, dtype=torch.float64), 1
+    )
     assert loss.item() == pytest.approx(-(3 + 0.8 / 0.99) / 3, abs=1e-12)
     loss.backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([[-1.0, 0.0, -0.8 / 0.99 / 3]], dtype=torch.float64))
@@ -80,8 +82,8 @@ def test_same_gradient_as_verl():
     mask[:, 0] = 1
     loss, metrics = dppo.compute_loss(lp, old, None, adv, mask, 6)
     assert 0.05 < all_reduce_mean(metrics)["policy/maskfrac"] < 0.5  # the mask has work to do here
-    g1, = torch.autograd.grad(loss, lp)
-    g2, = torch.autograd.grad(peers_dppo_loss(lp, old, adv, mask), lp)
+    (g1,) = torch.autograd.grad(loss, lp)
+    (g2,) = torch.autograd.grad(peers_dppo_loss(lp, old, adv, mask), lp)
     torch.testing.assert_close(g1, g2, rtol=0, atol=1e-12)
 
 
@@ -103,7 +105,8 @@ def test_gradient_matches_autograd_with_the_kl_term():
     adv, mask = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64), torch.ones(3, 4, dtype=torch.float64)
     for divergence in ("tv", "kl"):
         assert torch.autograd.gradcheck(
-            lambda x: dppo.compute_loss(x, old, ref, adv, mask, 3, divergence, 0.01, beta=0.1)[0], (lp,))
+            lambda x: dppo.compute_loss(x, old, ref, adv, mask, 3, divergence, 0.01, beta=0.1)[0], (lp,)
+        )
 
 
 def test_micro_batches_add_up_to_the_step_loss():
@@ -112,6 +115,8 @@ def test_micro_batches_add_up_to_the_step_loss():
     old, adv = lp + 0.3 * torch.randn(6, 4), torch.randn(6)
     mask = (torch.rand(6, 4) > 0.3).float()
     whole, _ = dppo.compute_loss(lp, old, None, adv, mask, 6, "kl", 0.05)
-    parts = sum(dppo.compute_loss(lp[i : i + 2], old[i : i + 2], None, adv[i : i + 2], mask[i : i + 2], 6, "kl",
-                                  0.05)[0] for i in range(0, 6, 2))
+    parts = sum(
+        dppo.compute_loss(lp[i : i + 2], old[i : i + 2], None, adv[i : i + 2], mask[i : i + 2], 6, "kl", 0.05)[0]
+        for i in range(0, 6, 2)
+    )
     torch.testing.assert_close(parts, whole)

@@ -15,8 +15,9 @@ def test_advantage_is_the_reward_minus_the_group_mean_without_the_std():
     # A = [0.25, 0.25, 0.25, -0.75]; GRPO divides by std 0.5 and doubles it, the difficulty bias.
     adv = drgrpo.compute_advantages(torch.tensor([1.0, 0, 0, 1, 1, 1, 1, 0]), group_size=4)
     torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, -0.5, 0.5, 0.25, 0.25, 0.25, -0.75]))
-    torch.testing.assert_close(grpo.compute_advantages(torch.tensor([1.0, 1, 1, 0]), 4, std_eps=0.0),
-                               torch.tensor([0.5, 0.5, 0.5, -1.5]))
+    torch.testing.assert_close(
+        grpo.compute_advantages(torch.tensor([1.0, 1, 1, 0]), 4, std_eps=0.0), torch.tensor([0.5, 0.5, 0.5, -1.5])
+    )
 
 
 def lengths_2_and_4():
@@ -35,8 +36,7 @@ def test_loss_divides_by_the_generation_budget_not_by_each_length():
     loss, _ = drgrpo.compute_loss(logprobs, logprobs.detach(), None, adv, mask, 2, 8, beta=0.0)
     assert loss.item() == pytest.approx(0.0625)
     loss.backward()
-    torch.testing.assert_close(logprobs.grad, torch.tensor([[-1, -1, 0, 0], [1, 1, 1, 1]]) * 0.03125,
-                               check_dtype=False)
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-1, -1, 0, 0], [1, 1, 1, 1]]) * 0.03125, check_dtype=False)
     logprobs, mask, adv = lengths_2_and_4()
     loss, _ = grpo.compute_loss(logprobs, logprobs.detach(), None, adv, mask, 2, beta=0.0)
     assert loss.item() == pytest.approx(0.0)
@@ -56,7 +56,8 @@ def test_kl_term_and_gradcheck():
     mask = torch.tensor([[1.0, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.float64)
     adv = torch.tensor([0.7, -0.2, -0.5], dtype=torch.float64)
     assert torch.autograd.gradcheck(
-        lambda x: drgrpo.compute_loss(x, old, ref, adv, mask, 3, 8, clip_eps=0.2, beta=0.1)[0], (lp,))
+        lambda x: drgrpo.compute_loss(x, old, ref, adv, mask, 3, 8, clip_eps=0.2, beta=0.1)[0], (lp,)
+    )
 
 
 def test_micro_batches_add_up_to_the_step_loss():
@@ -64,6 +65,8 @@ def test_micro_batches_add_up_to_the_step_loss():
     lp, old = torch.randn(6, 4), torch.randn(6, 4)
     mask, adv = (torch.rand(6, 4) > 0.3).float(), torch.randn(6)
     whole, _ = drgrpo.compute_loss(lp, old, None, adv, mask, 6, 8)
-    parts = sum(drgrpo.compute_loss(lp[i : i + 2], old[i : i + 2], None, adv[i : i + 2], mask[i : i + 2], 6, 8)[0]
-                for i in range(0, 6, 2))
+    parts = sum(
+        drgrpo.compute_loss(lp[i : i + 2], old[i : i + 2], None, adv[i : i + 2], mask[i : i + 2], 6, 8)[0]
+        for i in range(0, 6, 2)
+    )
     torch.testing.assert_close(parts, whole)

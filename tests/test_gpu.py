@@ -16,8 +16,8 @@ from test_precision import SHORT, moved  # noqa: E402
 
 import grpo  # noqa: E402
 import ppo  # noqa: E402
-from common import cli  # noqa: E402
 from conftest import read_metrics  # noqa: E402
+from harness import cli  # noqa: E402
 
 
 @pytest.mark.parametrize("module", [grpo, ppo])
@@ -36,9 +36,29 @@ def test_bf16_compute_on_cuda_moves_every_trained_weight_as_fp32_does(tmp_path, 
 def test_a_lora_final_on_cuda_is_in_the_checkpoint_dtype(tmp_path, bf16_model):
     from safetensors.torch import load_file
 
-    grpo.main(cli(grpo.Args, ["--model", str(bf16_model), "--lora-rank", "4", "--num-steps", "1", "--eval-every", "0",
-                              "--prompts-per-step", "4", "--group-size", "2", "--output-dir", str(tmp_path),
-                              "--run-name", "r"]))
+    grpo.main(
+        cli(
+            grpo.Args,
+            [
+                "--model",
+                str(bf16_model),
+                "--lora-rank",
+                "4",
+                "--num-steps",
+                "1",
+                "--eval-every",
+                "0",
+                "--prompts-per-step",
+                "4",
+                "--group-size",
+                "2",
+                "--output-dir",
+                str(tmp_path),
+                "--run-name",
+                "r",
+            ],
+        )
+    )
     assert {t.dtype for t in load_file(tmp_path / "r" / "final" / "model.safetensors").values()} == {torch.bfloat16}
 
 
@@ -55,9 +75,11 @@ def test_one_update_at_a_real_shape_peaks_where_memory_fit_says(tmp_path):
     model = AutoModelForCausalLM.from_config(gpu_check.qwen_config(gpu_check.SHAPES["0.5b"]), dtype=torch.bfloat16)
     save_with_offline_tokenizer(model, tmp_path / "model")
     gpu_check.dataset(tmp_path, gpu_check.Args(prompts=16, prompt_length=256))
-    command = (f"python grpo.py --model {tmp_path / 'model'} --dataset {tmp_path / 'prompts.jsonl'} --eval-every 0 "
-               "--eval-size 0 --num-steps 1 --prompts-per-step 16 --group-size 8 --max-prompt-length 256 "
-               "--max-new-tokens 256 --micro-batch-size 16 --learning-rate 1e-6")
+    command = (
+        f"python grpo.py --model {tmp_path / 'model'} --dataset {tmp_path / 'prompts.jsonl'} --eval-every 0 "
+        "--eval-size 0 --num-steps 1 --prompts-per-step 16 --group-size 8 --max-prompt-length 256 "
+        "--max-new-tokens 256 --micro-batch-size 16 --learning-rate 1e-6"
+    )
     grpo.main(cli(grpo.Args, [*command.split()[2:], "--output-dir", str(tmp_path), "--run-name", "r"]))
     measured = read_metrics(tmp_path / "r")[0]["perf/peak_mem_gb"] * 2**30 / 1e9
     estimated = max(memory_fit.estimate(command)[0].values())
@@ -70,7 +92,7 @@ def test_the_vllm_engine_sleeps_wakes_and_leaves_the_trainer_its_memory():
     """The engine on this process's GPU: after it is built and after each of three calls (a push of new weights each
     time) it sleeps, and the memory it freed is the trainer's to take: a tensor of half the GPU can be allocated (vLLM
     0.34's extensible KV cache would have capped this process's PyTorch memory at warm-up)."""
-    from common import DEFAULT_MODEL, load_model, load_tokenizer
+    from harness import DEFAULT_MODEL, load_model, load_tokenizer, plain_weights
     from vllm_engine import VllmEngine
 
     device = torch.device("cuda")
@@ -78,7 +100,7 @@ def test_the_vllm_engine_sleeps_wakes_and_leaves_the_trainer_its_memory():
     model = load_model(DEFAULT_MODEL, "auto", device, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     free = [torch.cuda.mem_get_info()[0]]
-    engine = VllmEngine(DEFAULT_MODEL, "auto", 0, optimizer, 0.3, max_model_len=64)
+    engine = VllmEngine(DEFAULT_MODEL, torch.bfloat16, 0, optimizer, plain_weights, 0.3, max_model_len=64)
     free.append(torch.cuda.mem_get_info()[0])
     total = torch.cuda.mem_get_info()[1]
     for call in range(3):

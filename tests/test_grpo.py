@@ -125,7 +125,7 @@ def test_analytic_gradient_at_ratio_one_with_kl():
 def test_gradcheck():
     torch.manual_seed(0)
     lp = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
-    old = (lp.detach() + 0.1 * torch.randn(3, 4, dtype=torch.float64))  # ratios near 1, some clipped
+    old = lp.detach() + 0.1 * torch.randn(3, 4, dtype=torch.float64)  # ratios near 1, some clipped
     ref = torch.randn(3, 4, dtype=torch.float64)
     adv = torch.randn(3, dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]], dtype=torch.float64)
@@ -141,6 +141,8 @@ def test_normaliser_splits_over_micro_batches():
     mask = (torch.rand(8, 5) > 0.3).float()
     mask[:, 0] = 1
     full, _ = compute_loss(lp, old, ref, adv, mask, 8)
-    parts = sum(compute_loss(lp[i : i + 3], old[i : i + 3], ref[i : i + 3], adv[i : i + 3], mask[i : i + 3], 8)[0]
-                for i in range(0, 8, 3))
+    parts = sum(
+        compute_loss(lp[i : i + 3], old[i : i + 3], ref[i : i + 3], adv[i : i + 3], mask[i : i + 3], 8)[0]
+        for i in range(0, 8, 3)
+    )
     assert parts.item() == pytest.approx(full.item(), abs=1e-6)

@@ -102,8 +102,10 @@ def test_micro_batches_add_up_to_the_step_loss():
     mask = (torch.rand(6, 4) > 0.3).float()
     mask[:, 0] = 1
     whole, _ = gspo.compute_loss(lp, old, None, adv, mask, 6)
-    parts = sum(gspo.compute_loss(lp[i : i + 2], old[i : i + 2], None, adv[i : i + 2], mask[i : i + 2], 6)[0]
-                for i in range(0, 6, 2))
+    parts = sum(
+        gspo.compute_loss(lp[i : i + 2], old[i : i + 2], None, adv[i : i + 2], mask[i : i + 2], 6)[0]
+        for i in range(0, 6, 2)
+    )
     torch.testing.assert_close(parts, whole)
 
 

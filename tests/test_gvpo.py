@@ -76,20 +76,33 @@ def test_sequence_sums_and_groups_add_up_over_micro_batches():
     mask = (torch.rand(8, 5) > 0.3).double()
     b = gvpo.compute_advantages(torch.rand(8, dtype=torch.float64), 4)
     full, _ = gvpo.compute_loss(lp, anchor, b, mask, 2, 4)
-    halves = sum(gvpo.compute_loss(lp[i : i + 4], anchor[i : i + 4], b[i : i + 4], mask[i : i + 4], 2, 4)[0]
-                 for i in (0, 4))
+    halves = sum(
+        gvpo.compute_loss(lp[i : i + 4], anchor[i : i + 4], b[i : i + 4], mask[i : i + 4], 2, 4)[0] for i in (0, 4)
+    )
     assert halves.item() == pytest.approx(full.item(), abs=1e-12)
     lp.requires_grad_()
     assert torch.autograd.gradcheck(lambda x: gvpo.compute_loss(x, anchor, b, mask, 2, 4)[0], (lp,))
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"micro_batch_size": 2}, "--micro-batch-size must be a multiple of --group-size"),
-    ({"num_minibatches": 8, "prompts_per_step": 4}, "--num-minibatches must split the sequences per rank into whole"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"micro_batch_size": 2}, "--micro-batch-size must be a multiple of --group-size"),
+        (
+            {"num_minibatches": 8, "prompts_per_step": 4},
+            "--num-minibatches must split the sequences per rank into whole",
+        ),
+    ],
+)
 def test_a_batch_split_that_would_cut_a_group_is_rejected(tmp_path, overrides, message):
-    args = {"num_steps": 1, "prompts_per_step": 4, "group_size": 4, "eval_every": 0, "output_dir": str(tmp_path),
-            **overrides}
+    args = {
+        "num_steps": 1,
+        "prompts_per_step": 4,
+        "group_size": 4,
+        "eval_every": 0,
+        "output_dir": str(tmp_path),
+        **overrides,
+    }
     with pytest.raises(UsageError, match=message):
         gvpo.main(gvpo.Args(**args))
     assert not list(tmp_path.iterdir())
@@ -97,30 +110,51 @@ def test_a_batch_split_that_would_cut_a_group_is_rejected(tmp_path, overrides, m
 
 def test_reuse_trains_on_the_previous_steps_groups(tmp_path, monkeypatch):
     sizes = record_batch_sizes(monkeypatch, gvpo)
-    gvpo.main(gvpo.Args(num_steps=4, prompts_per_step=4, group_size=4, eval_every=0, reuse_steps=2,
-                        output_dir=str(tmp_path), run_name="reuse"))
+    gvpo.main(
+        gvpo.Args(
+            num_steps=4,
+            prompts_per_step=4,
+            group_size=4,
+            eval_every=0,
+            reuse_steps=2,
+            output_dir=str(tmp_path),
+            run_name="reuse",
+        )
+    )
     assert sizes == [16, 32, 48, 48]  # fresh groups, plus those of at most the 2 previous steps
 
 
 @pytest.mark.parametrize("reuse_steps, updates, passes", [(0, 2, 2), (1, 2, 1), (2, 2, 1), (1, 4, 2), (1, 1, 1)])
-def test_replay_passes_over_each_group_updates_per_rollout_times_in_all(tmp_path, monkeypatch, reuse_steps, updates,
-                                                                         passes):
+def test_replay_passes_over_each_group_updates_per_rollout_times_in_all(
+    tmp_path, monkeypatch, reuse_steps, updates, passes
+):
     """With --reuse-steps K a group is trained at K+1 steps, so --updates-per-rollout counts the passes over it in
     all: updates // (K+1) a step, at least 1. The default 2 with K = 1 is one pass a step, two over each group as
     on-policy. Two a step (four over each group) collapsed on the default task: held-out +0.09 / +0.06 / +0.13 at
     step 200 over seeds 1-3, greedy accuracy falling from 0.64 to 0.45-0.66 (docs/gvpo.md)."""
     calls, step = [], torch.optim.AdamW.step
     monkeypatch.setattr(torch.optim.AdamW, "step", lambda *a, **k: calls.append(1) or step(*a, **k))  # one a pass
-    gvpo.main(gvpo.Args(num_steps=2, prompts_per_step=2, group_size=4, eval_every=0, reuse_steps=reuse_steps,
-                        updates_per_rollout=updates, output_dir=str(tmp_path), run_name="passes"))
+    gvpo.main(
+        gvpo.Args(
+            num_steps=2,
+            prompts_per_step=2,
+            group_size=4,
+            eval_every=0,
+            reuse_steps=reuse_steps,
+            updates_per_rollout=updates,
+            output_dir=str(tmp_path),
+            run_name="passes",
+        )
+    )
     assert len(calls) == 2 * passes
 
 
 def test_a_resume_with_another_group_size_stops(tmp_path):
     """The replayed rollouts hold groups of the checkpoint's --group-size: regrouped by another they would mix
     prompts in a group. The resume stops with one line, as for another number of ranks."""
-    settings = dict(prompts_per_step=4, eval_every=0, reuse_steps=1, save_every=2, output_dir=str(tmp_path),
-                    run_name="g")
+    settings = dict(
+        prompts_per_step=4, eval_every=0, reuse_steps=1, save_every=2, output_dir=str(tmp_path), run_name="g"
+    )
     gvpo.main(gvpo.Args(num_steps=2, group_size=4, **settings))
     with pytest.raises(UsageError, match="--group-size 2: must be 4"):
         gvpo.main(gvpo.Args(num_steps=4, group_size=2, resume="latest", **settings))
@@ -133,8 +167,20 @@ def test_replayed_groups_with_longer_prompts_are_scored_at_the_right_columns(tmp
     rows = [{"prompt": "1+1" if i % 2 else "12345+67890+1", "answer": "2" if i % 2 else "80236"} for i in range(64)]
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    gvpo.main(gvpo.Args(dataset=str(path), eval_size=4, num_steps=8, prompts_per_step=1, group_size=4,
-                        eval_every=0, reuse_steps=2, updates_per_rollout=1, output_dir=str(tmp_path), run_name="w"))
+    gvpo.main(
+        gvpo.Args(
+            dataset=str(path),
+            eval_size=4,
+            num_steps=8,
+            prompts_per_step=1,
+            group_size=4,
+            eval_every=0,
+            reuse_steps=2,
+            updates_per_rollout=1,
+            output_dir=str(tmp_path),
+            run_name="w",
+        )
+    )
     assert all(m["policy/approx_kl"] < 1e-6 for m in read_metrics(tmp_path / "w")), read_metrics(tmp_path / "w")
 
 
@@ -152,9 +198,19 @@ def test_a_replayed_group_keeps_the_rollout_correction_of_its_own_step(tmp_path,
         return real(logprobs, weights)
 
     monkeypatch.setattr(gvpo, "reweighted", reweighted)
-    gvpo.main(gvpo.Args(num_steps=3, prompts_per_step=4, group_size=4, eval_every=0, reuse_steps=1,
-                        updates_per_rollout=1, rollout_correction="tis", output_dir=str(tmp_path),
-                        run_name="replay"))
+    gvpo.main(
+        gvpo.Args(
+            num_steps=3,
+            prompts_per_step=4,
+            group_size=4,
+            eval_every=0,
+            reuse_steps=1,
+            updates_per_rollout=1,
+            rollout_correction="tis",
+            output_dir=str(tmp_path),
+            run_name="replay",
+        )
+    )
     weights = torch.cat([w.flatten() for w in steps])
     assert sum(len(w) for w in steps) == 16 + 32 + 32  # steps 1 and 2: 16 fresh rows, then the 16 replayed
     torch.testing.assert_close(weights, torch.ones_like(weights), rtol=0, atol=1e-4)
@@ -164,8 +220,16 @@ def test_a_resume_with_the_rollout_correction_turned_on_weights_the_replayed_gro
     """Groups replayed from a checkpoint saved without the correction (on a CPU `auto` is none) carry no weights;
     resumed with --rollout-correction tis (or --vllm, which makes `auto` tis), they are weighted by 1, as they
     were trained when they were sampled (it stopped with an AttributeError)."""
-    settings = dict(prompts_per_step=4, group_size=4, eval_every=0, reuse_steps=1, save_every=2, updates_per_rollout=1,
-                    output_dir=str(tmp_path), run_name="c")
+    settings = dict(
+        prompts_per_step=4,
+        group_size=4,
+        eval_every=0,
+        reuse_steps=1,
+        save_every=2,
+        updates_per_rollout=1,
+        output_dir=str(tmp_path),
+        run_name="c",
+    )
     gvpo.main(gvpo.Args(num_steps=2, **settings))
     steps, real = [], gvpo.reweighted
     monkeypatch.setattr(gvpo, "reweighted", lambda logprobs, weights: steps.append(weights) or real(logprobs, weights))
@@ -191,8 +255,9 @@ def test_adaptive_beta_stays_within_ten_halvings_or_doublings_of_beta():
     assert (beta, ceiling) == (0.1 / 1024, 0.1 * 1024)
     assert gvpo.update_beta(beta, 1.0, 1.0, 0.1) == beta and gvpo.update_beta(beta, 2.0, 1.0, 0.1) == 2 * beta
     a = torch.tensor([[-160.0], [12.0], [100.0], [-4.0]])  # 4 completions' log-ratios to the anchor, far from it
-    loss, _ = gvpo.compute_loss(a, torch.zeros(4, 1), torch.tensor([-1.0, 1.0, 1.0, -1.0]), torch.ones(4, 1), 1, 4,
-                                beta)
+    loss, _ = gvpo.compute_loss(
+        a, torch.zeros(4, 1), torch.tensor([-1.0, 1.0, 1.0, -1.0]), torch.ones(4, 1), 1, 4, beta
+    )
     assert torch.isfinite(loss / beta) and loss / beta > 0
 
 
@@ -202,8 +267,17 @@ def test_target_kl_adapts_beta_from_the_kl_the_step_measured(tmp_path, monkeypat
     seen = []
     real = gvpo.compute_loss
     monkeypatch.setattr(gvpo, "compute_loss", lambda *a: (seen.append(a[-1]), real(*a))[1])
-    gvpo.main(gvpo.Args(num_steps=4, prompts_per_step=2, group_size=4, eval_every=0, target_kl=0.05,
-                        output_dir=str(tmp_path), run_name="adapt"))
+    gvpo.main(
+        gvpo.Args(
+            num_steps=4,
+            prompts_per_step=2,
+            group_size=4,
+            eval_every=0,
+            target_kl=0.05,
+            output_dir=str(tmp_path),
+            run_name="adapt",
+        )
+    )
     metrics = read_metrics(tmp_path / "adapt")
     betas = [m["algo/beta"] for m in metrics]
     assert betas[0] == 0.1 and seen == [b for b in betas for _ in range(2)]  # 2 passes x 1 minibatch per step

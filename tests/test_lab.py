@@ -13,21 +13,10 @@ import cispo
 import dapo
 import grpo
 import gspo
-from common import (
-    TASKS,
-    Rollout,
-    all_reduce_mean,
-    builtin_splits,
-    correctness_reward,
-    format_prompt,
-    format_reward,
-    generate,
-    load_model,
-    load_tokenizer,
-    step_metrics,
-)
+from common import Rollout, all_reduce_mean, correctness_reward, format_prompt, format_reward, generate, step_metrics
 from conftest import ALGORITHMS, read_metrics, run
 from gvpo import given_rollout
+from harness import TASKS, builtin_splits, load_model, load_tokenizer
 
 
 def test_warm_up_completions_vary_and_only_a_carried_slip_is_wrong():
@@ -41,7 +30,12 @@ def test_warm_up_completions_vary_and_only_a_carried_slip_is_wrong():
         text = warm_up_completion(numbers, rng)
         scratchpad, total = text.rsplit("#### ", 1)
         right = int(total) == sum(numbers)
-        kinds["wait" if "wait" in text else "direct" if not scratchpad else "right" if right else "slip"] += 1
+        if "wait" in text:
+            kinds["wait"] += 1
+        elif not scratchpad:
+            kinds["direct"] += 1
+        else:
+            kinds["right" if right else "slip"] += 1
         assert right or ("wait" not in text and scratchpad)  # only a carried slip is wrong
         for step in scratchpad.replace(" wait", "").split():
             terms, result = step.split("=")
@@ -59,32 +53,46 @@ def test_chain_examples_are_fixed_disjoint_and_worked_right():
         steps, final = e["demo"].split(" #### ")
         assert final == e["answer"] and len(steps.split()) == len(numbers) - 1
         for i, step in enumerate(steps.split(), 1):  # each partial sum: the previous one plus the next number
-            assert step == f"{sum(numbers[:i])}+{numbers[i]}={sum(numbers[:i + 1])}"
+            assert step == f"{sum(numbers[:i])}+{numbers[i]}={sum(numbers[: i + 1])}"
     lengths = [len(set(e["prompt"].split("+"))) for e in train]
     assert min(lengths) == 1 and max(len(e["prompt"].split("+")) for e in train) == 6
 
 
-@pytest.mark.parametrize("completion, right", [
-    ("12+7=19 #### 19", True), ("12+7=18 wait 12+7=19 #### 19", True), ("#### 19", True), ("####19", True),
-    ("12+7=19", False),  # no answer: a completion cut by --max-new-tokens is wrong
-    ("12+7=19 #### 18", False), ("#### 19 #### 18", False),  # the last '####' holds the answer
-    ("19", True),  # a bare total, as the add task answers
-    ("#### 19.0", False), ("#### 019", False),  # the digits, exactly as the add task grades them
-])
+@pytest.mark.parametrize(
+    "completion, right",
+    [
+        ("12+7=19 #### 19", True),
+        ("12+7=18 wait 12+7=19 #### 19", True),
+        ("#### 19", True),
+        ("####19", True),
+        ("12+7=19", False),  # no answer: a completion cut by --max-new-tokens is wrong
+        ("12+7=19 #### 18", False),
+        ("#### 19 #### 18", False),  # the last '####' holds the answer
+        ("19", True),  # a bare total, as the add task answers
+        ("#### 19.0", False),
+        ("#### 019", False),  # the digits, exactly as the add task grades them
+    ],
+)
 def test_the_built_in_tasks_grade_the_text_after_the_last_marker(completion, right):
-    assert correctness_reward([completion], ["19"], exact=True).item() == right
+    assert correctness_reward([completion], ["19"], exact_match=True).item() == right
 
 
 def test_the_format_reward_of_the_built_in_tasks_wants_a_bare_number_after_the_marker():
     """--format-weight on the chain task rewards the answer's form, not skipping the scratchpad."""
     texts = ["12+7=19 #### 19", "#### 20", "19", "12+7=19", "12+7=19 #### x", ""]
-    assert format_reward(texts, exact=True).tolist() == [1, 1, 1, 0, 0, 0]
+    assert format_reward(texts, exact_match=True).tolist() == [1, 1, 1, 0, 0, 0]
 
 
 def test_the_add_task_grades_as_before():
     """The add task's completions have no '####': the whole text is compared, as before the chain task."""
-    assert correctness_reward(["19", " 19 ", "19 ", "1 9", "019", ""], ["19"] * 6, exact=True).tolist() == \
-        [1, 1, 1, 0, 0, 0]
+    assert correctness_reward(["19", " 19 ", "19 ", "1 9", "019", ""], ["19"] * 6, exact_match=True).tolist() == [
+        1,
+        1,
+        1,
+        0,
+        0,
+        0,
+    ]
 
 
 def test_task_picks_the_model_and_generation_limit_and_excludes_dataset(tmp_path):
@@ -103,8 +111,15 @@ def test_task_picks_the_model_and_generation_limit_and_excludes_dataset(tmp_path
 
 def rollout_of(texts: list[str], lengths: list[int]) -> Rollout:
     mask = (torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]).float()
-    return Rollout(torch.zeros(len(texts), 1), torch.ones(len(texts), 1), mask, 1, texts,
-                   torch.zeros(len(texts), dtype=torch.bool), torch.zeros_like(mask))
+    return Rollout(
+        torch.zeros(len(texts), 1),
+        torch.ones(len(texts), 1),
+        mask,
+        1,
+        texts,
+        torch.zeros(len(texts), dtype=torch.bool),
+        torch.zeros_like(mask),
+    )
 
 
 def test_step_metrics_split_lengths_by_outcome_and_count_self_corrections():
@@ -116,8 +131,9 @@ def test_step_metrics_split_lengths_by_outcome_and_count_self_corrections():
     assert m["response/length_mean"] == 6
     assert m["task/self_correction_frac"] == pytest.approx(2 / 5)  # 'wait' as a word, any case ('waiting' is not)
     assert m["task/self_correction_accuracy"] == pytest.approx(1 / 2)
-    none_right = all_reduce_mean(step_metrics(right * 0, {"correct": right * 0}, rollout_of(texts, [4, 2, 6, 8, 10]),
-                                              {}, 0.0))
+    none_right = all_reduce_mean(
+        step_metrics(right * 0, {"correct": right * 0}, rollout_of(texts, [4, 2, 6, 8, 10]), {}, 0.0)
+    )
     assert math.isnan(none_right["response/length_correct"]) and none_right["response/length_wrong"] == 6
 
 
@@ -169,8 +185,10 @@ def test_a_given_rollout_is_what_generate_returns_for_the_same_text():
     assert ended.sum() >= 4 and given.texts == sampled.texts and given.prompt_length == sampled.prompt_length
     width = given.response_mask.shape[1]
     assert torch.equal(given.response_mask[ended], sampled.response_mask[ended][:, :width])
-    assert torch.equal(given.input_ids[ended] * given.attention_mask[ended],
-                       (sampled.input_ids * sampled.attention_mask)[ended][:, : given.input_ids.shape[1]])
+    assert torch.equal(
+        given.input_ids[ended] * given.attention_mask[ended],
+        (sampled.input_ids * sampled.attention_mask)[ended][:, : given.input_ids.shape[1]],
+    )
     cut = given_rollout(tokenizer, prompts[:1], ["1+2=3 #### 3"], 5, torch.device("cpu"))
     assert cut.texts == ["1+2=3"] and cut.truncated.tolist() == [True] and cut.response_mask.sum() == 5
 
@@ -200,8 +218,19 @@ def test_gvpo_mixed_data_puts_the_worked_completion_in_each_group(tmp_path, monk
     monkeypatch.setattr(gvpo, "score", score)
     monkeypatch.setattr(gvpo, "reweighted", reweighted)
     monkeypatch.setattr(gvpo, "step_metrics", step_metrics)
-    gvpo.main(gvpo.Args(task="chain", demos_per_group=1, num_steps=1, prompts_per_step=2, group_size=4,
-                        eval_every=0, rollout_correction="tis", output_dir=str(tmp_path), run_name="mixed"))
+    gvpo.main(
+        gvpo.Args(
+            task="chain",
+            demos_per_group=1,
+            num_steps=1,
+            prompts_per_step=2,
+            group_size=4,
+            eval_every=0,
+            rollout_correction="tis",
+            output_dir=str(tmp_path),
+            run_name="mixed",
+        )
+    )
     assert [texts[-1] for _, texts in seen["groups"]] == [demo for demo, _ in seen["groups"]]
     weights = seen["weights"]  # (8, T): the one micro-batch, rows in order; rows 3 and 7 the demonstrations
     assert torch.equal(weights[[3, 7]], torch.ones_like(weights[[3, 7]]))
@@ -214,9 +243,29 @@ def test_gvpo_mixed_data_puts_the_worked_completion_in_each_group(tmp_path, monk
 def test_every_file_runs_the_chain_task(tmp_path, algo):
     """As a user would type it, at a tiny shape: the chain model, 64 new tokens, the new metrics logged."""
     flags = ["--demos-per-group", "1"] if algo == "gvpo" else []
-    result = run([f"{algo}.py", "--task", "chain", "--num-steps", "2", "--prompts-per-step", "4", "--group-size",
-                  "4", "--eval-every", "2", "--eval-size", "16", "--output-dir", str(tmp_path), "--run-name", "chain",
-                  *flags], cwd=tmp_path)
+    result = run(
+        [
+            f"{algo}.py",
+            "--task",
+            "chain",
+            "--num-steps",
+            "2",
+            "--prompts-per-step",
+            "4",
+            "--group-size",
+            "4",
+            "--eval-every",
+            "2",
+            "--eval-size",
+            "16",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "chain",
+            *flags,
+        ],
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = read_metrics(tmp_path / "chain")
     assert metrics[0]["response/length_mean"] > 10 and 0 <= metrics[-1]["eval/accuracy"] <= 1

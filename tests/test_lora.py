@@ -14,19 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common import (
-    DEFAULT_MODEL,
-    add_lora,
-    cli,
-    format_prompt,
-    generate,
-    get_logprobs,
-    load_model,
-    load_reference,
-    load_tokenizer,
-    plain_weights,
-)
+from common import format_prompt, generate, get_logprobs
 from conftest import ALGORITHMS, read_metrics, run
+from harness import DEFAULT_MODEL, add_lora, cli, load_model, load_reference, load_tokenizer, plain_weights
 
 peft = pytest.importorskip("peft")  # tests/requirements.txt installs it
 CPU = torch.device("cpu")
@@ -73,8 +63,10 @@ def test_plain_weights_are_peft_merge_and_unload():
     assert ours.keys() == theirs.keys()
     for key in theirs:
         torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=1e-6)
-    assert not torch.equal(ours["model.layers.0.self_attn.q_proj.weight"],
-                           model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight)
+    assert not torch.equal(
+        ours["model.layers.0.self_attn.q_proj.weight"],
+        model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight,
+    )
 
 
 def test_the_reference_is_the_base_model_without_a_copy():
@@ -98,8 +90,24 @@ def test_the_reference_is_the_base_model_without_a_copy():
 
 def lora_run(tmp_path: Path, algo: str, name: str, *flags: str, torchrun: int = 0) -> Path:
     """A short LoRA run of `algo`: in this process (one rank), or launched by torchrun on `torchrun` ranks."""
-    args = [*LORA, "--num-steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0",
-            "--learning-rate", "2e-3", "--output-dir", str(tmp_path), "--run-name", name, *flags]
+    args = [
+        *LORA,
+        "--num-steps",
+        "2",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        "--eval-every",
+        "0",
+        "--learning-rate",
+        "2e-3",
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        name,
+        *flags,
+    ]
     if not torchrun:
         module = importlib.import_module(algo)
         module.main(cli(module.Args, args=args))
@@ -121,18 +129,24 @@ def test_what_a_lora_run_leaves(tmp_path):
     state = {k for f in (folder / "step_1" / "training_state").glob("*.safetensors") for k in load_file(f)}
     assert state and all(".lora_" in k for k in state), sorted(state)[:4]  # adapters and their Adam moments
     base = sum(p.numel() for p in load_file(Path(DEFAULT_MODEL) / "model.safetensors").values())
-    adapters = sum(v.numel() for f in (folder / "step_1" / "training_state").glob("*.safetensors")
-                   for v in load_file(f).values())
+    adapters = sum(
+        v.numel() for f in (folder / "step_1" / "training_state").glob("*.safetensors") for v in load_file(f).values()
+    )
     assert adapters < 0.3 * base  # rank 8 of a 128-wide model: the adapters and 2 moments, ~27%
 
     result = run(["grpo.py", "--model", str(folder / "step_1"), "--output-dir", str(tmp_path)], cwd=tmp_path)
-    assert result.returncode == 2 and "a step checkpoint of a LoRA run holds its adapters (adapter/), not a model. " \
-        "Go on with --resume, or start from the run's final/" in result.stderr, result.stderr
+    assert (
+        result.returncode == 2
+        and "a step checkpoint of a LoRA run holds its adapters (adapter/), not a model. "
+        "Go on with --resume, or start from the run's final/"
+        in result.stderr
+    ), result.stderr
 
     tokenizer = load_tokenizer(DEFAULT_MODEL)
     merged = AutoModelForCausalLM.from_pretrained(folder / "final")
-    adapted = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL),
-                                             folder / "final" / "adapter")
+    adapted = peft.PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL), folder / "final" / "adapter"
+    )
     prompts = [format_prompt(tokenizer, p, True) for p in ("1+2", "45+67")]
     rollout = generate(merged, tokenizer, prompts, 4, 8, 1.0)
     args = (rollout.input_ids, rollout.attention_mask, rollout.prompt_length, 1.0)
@@ -155,9 +169,12 @@ def test_two_ranks_micro_batches_and_fsdp_give_the_same_adapters(tmp_path, mixed
     one_step(tmp_path, "grpo", "one", mixed_dataset, [*LORA, "--micro-batch-size", "32"])
     base = adapters(tmp_path / "one")
     assert max(v.abs().max().item() for k, v in base.items() if "lora_B" in k) > 0  # B moved from zero
-    for name, extra, torchrun in [("ddp", ["--micro-batch-size", "16"], 2), ("micro", ["--micro-batch-size", "8"], 0),
-                                  ("fsdp", ["--micro-batch-size", "8", "--fsdp"], 2),
-                                  ("ckpt", ["--micro-batch-size", "32", "--gradient-checkpointing"], 0)]:
+    for name, extra, torchrun in [
+        ("ddp", ["--micro-batch-size", "16"], 2),
+        ("micro", ["--micro-batch-size", "8"], 0),
+        ("fsdp", ["--micro-batch-size", "8", "--fsdp"], 2),
+        ("ckpt", ["--micro-batch-size", "32", "--gradient-checkpointing"], 0),
+    ]:
         one_step(tmp_path, "grpo", name, mixed_dataset, [*LORA, *extra], torchrun)
         difference = max_relative_difference(base, adapters(tmp_path / name))
         print(json.dumps({"mode": name, "max_relative_difference": difference}))
@@ -174,8 +191,17 @@ def test_a_lora_run_resumed_from_a_checkpoint_matches(tmp_path, mode):
 
     from test_resume import without_timings
 
-    flags = ["--num-steps", "4", "--save-every", "2", "--eval-every", "3", "--eval-size", "4",
-             *(["--fsdp"] if mode == "fsdp" else [])]
+    flags = [
+        "--num-steps",
+        "4",
+        "--save-every",
+        "2",
+        "--eval-every",
+        "3",
+        "--eval-size",
+        "4",
+        *(["--fsdp"] if mode == "fsdp" else []),
+    ]
     torchrun = 0 if mode == "one" else 2
     lora_run(tmp_path, "grpo", "whole", *flags, torchrun=torchrun)
     shutil.copytree(tmp_path / "whole", tmp_path / "cut")
@@ -188,14 +214,18 @@ def test_a_lora_run_resumed_from_a_checkpoint_matches(tmp_path, mode):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo, flags", [(algo, []) for algo in ALGORITHMS] + [("gvpo", ["--reuse-steps", "1"])],
-                         ids=ALGORITHMS + ["gvpo-reuse"])
+@pytest.mark.parametrize(
+    "algo, flags",
+    [(algo, []) for algo in ALGORITHMS] + [("gvpo", ["--reuse-steps", "1"])],
+    ids=ALGORITHMS + ["gvpo-reuse"],
+)
 def test_every_file_trains_with_lora(tmp_path, algo, flags):
     """Two steps of each file with adapters (PPO's critic trains in full, GVPO may replay groups); where the
     file has a reference model (GRPO's KL, PPO's KL reward) it is the policy with its adapters off, so the
     KL of the first update (one per step here) is 0."""
-    folder = lora_run(tmp_path, algo, "r", "--eval-every", "2", "--eval-size", "16", "--updates-per-rollout", "1",
-                      *flags)
+    folder = lora_run(
+        tmp_path, algo, "r", "--eval-every", "2", "--eval-size", "16", "--updates-per-rollout", "1", *flags
+    )
     metrics = read_metrics(folder)
     assert [m["step"] for m in metrics] == [0, 1, 2]
     if "loss/kl" in metrics[0]:
@@ -209,8 +239,25 @@ def test_grpo_learns_the_default_task_with_lora(tmp_path):
     fine-tuning's: the adapters start at zero and are few) for 20 steps. Measured (seed 1): 0.386 -> 0.626 at
     step 50, 0.68 at step 100; with 1 thread (2026-12-05, tests/conftest.py) 0.502 / 0.536 / 0.594 / 0.626 at
     steps 10 / 20 / 30 / 50: +0.15 at step 20."""
-    result = run(["grpo.py", *LORA, "--learning-rate", "2e-3", "--num-steps", "20", "--eval-every", "20",
-                  "--output-dir", str(tmp_path), "--run-name", "learn", "--seed", "1"], cwd=tmp_path)
+    result = run(
+        [
+            "grpo.py",
+            *LORA,
+            "--learning-rate",
+            "2e-3",
+            "--num-steps",
+            "20",
+            "--eval-every",
+            "20",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "learn",
+            "--seed",
+            "1",
+        ],
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     evals = [m for m in read_metrics(tmp_path / "learn") if "eval/accuracy" in m]
     start, end = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]

@@ -70,8 +70,9 @@ def test_whitening_over_ranks_uses_the_whole_batch():
 
 def value_loss_and_grad(value: float, old_value: float, ret: float, clip: float = 0.2):
     v = torch.tensor([[value]], requires_grad=True)
-    loss, clipfrac = ppo.compute_value_loss(v, torch.tensor([[old_value]]), torch.tensor([[ret]]), torch.ones(1, 1),
-                                            num_tokens=1.0, value_clip_eps=clip)
+    loss, clipfrac = ppo.compute_value_loss(
+        v, torch.tensor([[old_value]]), torch.tensor([[ret]]), torch.ones(1, 1), num_tokens=1.0, value_clip_eps=clip
+    )
     loss.backward()
     return loss.item(), clipfrac.item(), v.grad.item()
 
@@ -139,8 +140,9 @@ def test_policy_loss_clips_and_is_a_global_token_mean():
     # term, zero gradient; A = -1, r = 0.7 -> min(-0.7, -0.8) = -0.8, clipped at 0.8, zero gradient.
     logprobs = torch.log(torch.tensor([[1.3, 0.7]])).requires_grad_()
     zeros, ones = torch.zeros(1, 2), torch.ones(1, 2)
-    loss, metrics = ppo.compute_loss(logprobs, zeros, torch.tensor([[1.0, -1.0]]), zeros, zeros, zeros, ones,
-                                     num_tokens=4.0, vf_coef=0.0)
+    loss, metrics = ppo.compute_loss(
+        logprobs, zeros, torch.tensor([[1.0, -1.0]]), zeros, zeros, zeros, ones, num_tokens=4.0, vf_coef=0.0
+    )
     loss.backward()
     assert loss.item() == pytest.approx((-1.2 + 0.8) / 4)  # divided by the step's 4 tokens, not these 2
     assert logprobs.grad.abs().max().item() == 0.0 and all_reduce_mean(metrics)["policy/clipfrac"] == 1.0
@@ -150,7 +152,7 @@ def test_critic_values_are_read_from_the_hidden_state_before_each_response_token
     """Values of the response tokens of a left-padded batch equal those of each row run alone, unpadded."""
     from transformers import AutoModel
 
-    from common import DEFAULT_MODEL, load_tokenizer
+    from harness import DEFAULT_MODEL, load_tokenizer
 
     torch.manual_seed(0)
     tokenizer = load_tokenizer(DEFAULT_MODEL)
@@ -167,8 +169,17 @@ def test_critic_values_are_read_from_the_hidden_state_before_each_response_token
 
 
 def test_adaptive_kl_run_and_bad_target(tmp_path):
-    ppo.main(ppo.Args(num_steps=3, prompts_per_step=4, group_size=2, eval_every=0, target_kl=1e-4,
-                      output_dir=str(tmp_path), run_name="adaptive"))
+    ppo.main(
+        ppo.Args(
+            num_steps=3,
+            prompts_per_step=4,
+            group_size=2,
+            eval_every=0,
+            target_kl=1e-4,
+            output_dir=str(tmp_path),
+            run_name="adaptive",
+        )
+    )
     metrics = read_metrics(tmp_path / "adaptive")
     beta, kl = [m["algo/beta"] for m in metrics], [m["algo/kl"] for m in metrics]
     assert beta[0] == 0.05 and kl[0] == 0.0  # step 0 samples from the reference itself
@@ -185,7 +196,7 @@ def reward_model_folder(tmp_path_factory):
     """A random tiny sequence-classification reward model that shares the default model's tokenizer."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from common import DEFAULT_MODEL, load_tokenizer
+    from harness import DEFAULT_MODEL, load_tokenizer
 
     folder = tmp_path_factory.mktemp("rm") / "rm"
     torch.manual_seed(0)
@@ -201,7 +212,8 @@ def test_reward_model_scores_are_the_rewards(tmp_path, monkeypatch, reward_model
     the reward model's backbone."""
     from transformers import AutoModelForSequenceClassification
 
-    from common import format_prompt, load_tokenizer
+    from common import format_prompt
+    from harness import load_tokenizer
 
     seen, real = [], ppo.compute_rewards
 
@@ -218,15 +230,23 @@ def test_reward_model_scores_are_the_rewards(tmp_path, monkeypatch, reward_model
 
     monkeypatch.setattr(ppo, "compute_rewards", spy)
     monkeypatch.setattr(ppo, "generate", generate_spy)
-    args = ppo.Args(num_steps=2, prompts_per_step=2, group_size=2, eval_every=0, reward_model=str(reward_model_folder),
-                    output_dir=str(tmp_path), run_name="rm")
+    args = ppo.Args(
+        num_steps=2,
+        prompts_per_step=2,
+        group_size=2,
+        eval_every=0,
+        reward_model=str(reward_model_folder),
+        output_dir=str(tmp_path),
+        run_name="rm",
+    )
     ppo.main(args)
     metrics = read_metrics(tmp_path / "rm")
     assert len(metrics) == 2 and "reward/model" in metrics[0] and "reward/correct" in metrics[0]
 
     rm = AutoModelForSequenceClassification.from_pretrained(reward_model_folder).eval()
     tokenizer = load_tokenizer(reward_model_folder)
-    from common import builtin_splits, prompt_batch
+    from common import prompt_batch
+    from harness import builtin_splits
 
     train_set, _ = builtin_splits()
     for step, ((scores, truncated), completions) in enumerate(zip(seen, texts)):
@@ -248,10 +268,15 @@ def test_a_critic_that_does_not_share_the_tokenizer_is_rejected(tmp_path):
 
     folder = tmp_path / "other"
     vocab = {"<s>": 0, "</s>": 1, "a": 2}
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="a")),
-                                        bos_token="<s>", eos_token="</s>", pad_token="a")
-    LlamaForCausalLM(LlamaConfig(vocab_size=3, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
-                                 num_attention_heads=1)).save_pretrained(folder)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="a")),
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="a",
+    )
+    LlamaForCausalLM(
+        LlamaConfig(vocab_size=3, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1)
+    ).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     with pytest.raises(UsageError, match="--critic-model .*its tokenizer differs from --model's"):
         ppo.main(ppo.Args(num_steps=1, critic_model=str(folder), output_dir=str(tmp_path), run_name="bad"))
@@ -264,7 +289,7 @@ def test_chat_prompts_with_a_reward_model_without_a_chat_template_stop(tmp_path,
     import json
     import shutil
 
-    from common import load_tokenizer
+    from harness import load_tokenizer
 
     folder = tmp_path / "rm"
     shutil.copytree(reward_model_folder, folder)
@@ -275,6 +300,14 @@ def test_chat_prompts_with_a_reward_model_without_a_chat_template_stop(tmp_path,
     row = {"prompt": [{"role": "user", "content": "1+1"}], "answer": "2"}
     (tmp_path / "chat.jsonl").write_text((json.dumps(row) + "\n") * 8)
     with pytest.raises(UsageError, match="--reward-model .*: its tokenizer has no chat template for the prompts' chat"):
-        ppo.main(ppo.Args(num_steps=1, dataset=str(tmp_path / "chat.jsonl"), eval_size=2, reward_model=str(folder),
-                          output_dir=str(tmp_path / "runs"), run_name="bad"))
+        ppo.main(
+            ppo.Args(
+                num_steps=1,
+                dataset=str(tmp_path / "chat.jsonl"),
+                eval_size=2,
+                reward_model=str(folder),
+                output_dir=str(tmp_path / "runs"),
+                run_name="bad",
+            )
+        )
     assert not (tmp_path / "runs").exists()

@@ -20,15 +20,28 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-import common
 import grpo
+import harness
 import ppo
-from common import DEFAULT_MODEL, cli, format_prompt, load_tokenizer
+from common import format_prompt
 from conftest import ROOT, run
+from harness import DEFAULT_MODEL, cli, load_tokenizer
 
 CPU = torch.device("cpu")
-SHORT = ["--num-steps", "2", "--save-every", "2", "--eval-every", "0", "--prompts-per-step", "4", "--group-size", "4",
-         "--learning-rate", "1e-6"]
+SHORT = [
+    "--num-steps",
+    "2",
+    "--save-every",
+    "2",
+    "--eval-every",
+    "0",
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "4",
+    "--learning-rate",
+    "1e-6",
+]
 
 
 def initial_weight(name: str, tiny: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -100,16 +113,40 @@ def test_bf16_compute_at_lr_1e6_moves_every_trained_weight_as_fp32_does(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model, dtype, flags, stored", [
-    ("bf16", "float32", [], torch.bfloat16),  # trained in fp32, written as the checkpoint is
-    ("bf16", "float32", ["--lora-rank", "4"], torch.bfloat16),  # the merged model too
-    ("default", "bfloat16", [], torch.float32),  # an fp32 checkpoint keeps its fp32 weights
-])
+@pytest.mark.parametrize(
+    "model, dtype, flags, stored",
+    [
+        ("bf16", "float32", [], torch.bfloat16),  # trained in fp32, written as the checkpoint is
+        ("bf16", "float32", ["--lora-rank", "4"], torch.bfloat16),  # the merged model too
+        ("default", "bfloat16", [], torch.float32),  # an fp32 checkpoint keeps its fp32 weights
+    ],
+)
 def test_final_is_written_in_the_checkpoint_dtype(tmp_path, bf16_model, model, dtype, flags, stored):
     path = str(bf16_model) if model == "bf16" else DEFAULT_MODEL
-    grpo.main(cli(grpo.Args, ["--model", path, "--dtype", dtype, "--num-steps", "1", "--eval-every", "0",
-                              "--prompts-per-step", "4", "--group-size", "2", "--output-dir", str(tmp_path),
-                              "--run-name", "r", *flags]))
+    grpo.main(
+        cli(
+            grpo.Args,
+            [
+                "--model",
+                path,
+                "--dtype",
+                dtype,
+                "--num-steps",
+                "1",
+                "--eval-every",
+                "0",
+                "--prompts-per-step",
+                "4",
+                "--group-size",
+                "2",
+                "--output-dir",
+                str(tmp_path),
+                "--run-name",
+                "r",
+                *flags,
+            ],
+        )
+    )
     final = tmp_path / "r" / "final"
     weights = load_file(final / "model.safetensors")
     assert {tensor.dtype for tensor in weights.values()} == {stored}
@@ -146,9 +183,14 @@ def test_the_no_grad_logprob_pass_keeps_one_hidden_state_not_every_layers(tmp_pa
     batch, seq, hidden = 256, 64, 256
     growth = {}
     for layers in (2, 24):
-        result = subprocess.run([sys.executable, "-c", PEAK, *map(str, (layers, hidden, batch, seq))], cwd=ROOT,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                                timeout=600)
+        result = subprocess.run(
+            [sys.executable, "-c", PEAK, *map(str, (layers, hidden, batch, seq))],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         growth[layers] = float(result.stdout.split()[-1])
     one_hidden_state = batch * seq * hidden * 4
@@ -165,9 +207,17 @@ def test_under_fsdp_the_ranks_other_than_0_never_hold_the_whole_model(tmp_path):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=512, hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=4, head_dim=128, max_position_embeddings=64,
-                         tie_word_embeddings=True)
+    config = Qwen3Config(
+        vocab_size=512,
+        hidden_size=1024,
+        intermediate_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=128,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
     model = Qwen3ForCausalLM(config)
     model.save_pretrained(tmp_path / "model")
     load_tokenizer(DEFAULT_MODEL).save_pretrained(tmp_path / "model")
@@ -216,15 +266,17 @@ def test_the_vllm_engine_is_sized_to_the_run_and_caps_nothing(tmp_path, monkeypa
     monkeypatch.setitem(sys.modules, "vllm", vllm)  # what `import vllm` gets, for this test only
     rows = [{"prompt": "1+2", "answer": "3"}, {"prompt": "12+345+6789", "answer": "7146"}] * 3
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    args = cli(grpo.Args, ["--dataset", str(tmp_path / "data.jsonl"), "--eval-size", "1", "--max-new-tokens", "16",
-                           "--vllm", *flags])
-    common.check_flags(args)
-    tokenizer = common.load_task(args)[0]
+    args = cli(
+        grpo.Args,
+        ["--dataset", str(tmp_path / "data.jsonl"), "--eval-size", "1", "--max-new-tokens", "16", "--vllm", *flags],
+    )
+    harness.check_flags(args)
+    tokenizer = harness.load_task(args).tokenizer
     longest = max(len(tokenizer(format_prompt(tokenizer, row["prompt"], True)).input_ids) for row in rows)
-    model = common.load_model(args.model, "float32", CPU, tokenizer)
+    model = harness.load_model(args.model, "float32", CPU, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the engine's GPU arguments
-    common.load_vllm(args, 0, optimizer)
+    harness.load_vllm(args, 0, optimizer)
     (name, model_name, kwargs), *calls = vllm.calls
     assert name == "LLM" and model_name == args.model
     assert kwargs["max_model_len"] == longest + 16
@@ -251,9 +303,12 @@ def test_a_rank_that_cannot_see_the_run_folder_stops_at_start_up(tmp_path):
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(SEES_ANOTHER_FOLDER)
-    result = run(["grpo.py", "--num-steps", "1", "--eval-every", "0", "--output-dir", "runs", "--run-name", "r"],
-                 cwd=tmp_path, torchrun=2, env={"PYTHONPATH": f"{hook}{os.pathsep}{ROOT}",
-                                                "OTHER_DISK": str(tmp_path / "node2")})
+    result = run(
+        ["grpo.py", "--num-steps", "1", "--eval-every", "0", "--output-dir", "runs", "--run-name", "r"],
+        cwd=tmp_path,
+        torchrun=2,
+        env={"PYTHONPATH": f"{hook}{os.pathsep}{ROOT}", "OTHER_DISK": str(tmp_path / "node2")},
+    )
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert lines and all(line == lines[0] for line in lines), result.stderr[-3000:]
@@ -267,7 +322,8 @@ def test_lm_head_fp32_gives_fp32_logits_to_the_log_probs_and_the_sampler():
     are bf16's, which keeps 8 bits of mantissa (a logit of 10 to within 0.03)."""
     import torch.nn.functional as F
 
-    from common import forward_last_hidden, load_model
+    from common import forward_last_hidden
+    from harness import load_model
 
     tokenizer = load_tokenizer(DEFAULT_MODEL)
     ids = torch.tensor([tokenizer("12+34=46").input_ids])
@@ -295,12 +351,18 @@ def test_every_gpu_command_of_the_docs_fits_an_80_gb_gpu():
     for where, command in commands:
         verdict = memory_fit.estimate(command)[1]
         assert verdict.startswith("fits: "), (where, command, verdict)
-    before = ["python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --max-new-tokens 512",
-              "torchrun --nnodes=$NODES --nproc_per_node=8 dapo.py --model Qwen/Qwen2.5-32B --prompts-per-step 512 "
-              "--group-size 16 --num-minibatches 16 --max-prompt-length 2048 --max-new-tokens 20480 --fsdp --vllm"]
+    before = [
+        "python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --max-new-tokens 512",
+        "torchrun --nnodes=$NODES --nproc_per_node=8 dapo.py --model Qwen/Qwen2.5-32B --prompts-per-step 512 "
+        "--group-size 16 --num-minibatches 16 --max-prompt-length 2048 --max-new-tokens 20480 --fsdp --vllm",
+    ]
     for command in before:
         assert memory_fit.estimate(command)[1].startswith("does not fit: "), command
-    run = memory_fit.read_command("torchrun --nnodes=$NODES --nproc_per_node=8 grpo.py --model Qwen/Qwen2.5-7B "
-                                  "--prompts-per-step 64 --micro-batch-size 4", nodes=2, prompt_length=512)
+    run = memory_fit.read_command(
+        "torchrun --nnodes=$NODES --nproc_per_node=8 grpo.py --model Qwen/Qwen2.5-7B "
+        "--prompts-per-step 64 --micro-batch-size 4",
+        nodes=2,
+        prompt_length=512,
+    )
     assert (run["world_size"], run["rollout"], run["micro_batch"]) == (16, 32, 4)
     assert run["shape"].params == pytest.approx(7.6156e9, rel=1e-4)  # Qwen2.5-7B: 7.61B (less its q, k, v biases)

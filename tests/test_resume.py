@@ -17,7 +17,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import common
 import grpo
 import harness
 from common import UsageError
@@ -29,9 +28,21 @@ pytestmark = pytest.mark.slow  # kill-and-resume runs in subprocesses: `-m 'not 
 # rollout-correction weights; episodes of --task guess, so their masks with holes, returns and turns too, in a game
 # whose rewards draw from `random` and NumPy: their seeds and states; its beta adapted by --target-kl, doubled at
 # every step by so small a target), PPO's critic and adaptive beta.
-EXTRA = {"gvpo": ["--reuse-steps", "1", "--rollout-correction", "tis", "--task", "guess", "--target-kl", "1e-6",
-                  "--env", f"{ROOT / 'tests' / 'random_guess.py'}:RandomGuess"],
-         "ppo": ["--target-kl", "0.01"]}
+EXTRA = {
+    "gvpo": [
+        "--reuse-steps",
+        "1",
+        "--rollout-correction",
+        "tis",
+        "--task",
+        "guess",
+        "--target-kl",
+        "1e-6",
+        "--env",
+        f"{ROOT / 'tests' / 'random_guess.py'}:RandomGuess",
+    ],
+    "ppo": ["--target-kl", "0.01"],
+}
 
 # Loaded before the run's own imports (Python imports `sitecustomize` at start-up): the second call of
 # safetensors' save_file (HANG_IN=save: the second checkpoint's exported weights) or of `common.evaluate`
@@ -57,10 +68,15 @@ def stopped_in_second_call(args: list[str], tmp_path: Path, hang_in: str, stop: 
     hook, started = tmp_path / "hook", tmp_path / "hang-started"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(HANG_ON_SECOND_CALL)
-    proc = subprocess.Popen([sys.executable, str(ROOT / args[0]), *args[1:]], cwd=tmp_path, text=True,
-                            env={**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}", "HANG_IN": hang_in,
-                                 "HANG_STARTED": str(started)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            preexec_fn=default_sigint)
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / args[0]), *args[1:]],
+        cwd=tmp_path,
+        text=True,
+        env={**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}", "HANG_IN": hang_in, "HANG_STARTED": str(started)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        preexec_fn=default_sigint,
+    )
     deadline = time.time() + 300
     while proc.poll() is None and not started.exists() and time.time() < deadline:
         time.sleep(0.02)
@@ -70,9 +86,26 @@ def stopped_in_second_call(args: list[str], tmp_path: Path, hang_in: str, stop: 
 
 
 def args_for(algo: str, tmp_path, name: str) -> list[str]:
-    return [f"{algo}.py", "--num-steps", "8", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "3",
-            "--eval-size", "16", "--save-every", "2", "--output-dir", str(tmp_path), "--run-name", name,
-            *EXTRA.get(algo, [])]
+    return [
+        f"{algo}.py",
+        "--num-steps",
+        "8",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        "--eval-every",
+        "3",
+        "--eval-size",
+        "16",
+        "--save-every",
+        "2",
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        name,
+        *EXTRA.get(algo, []),
+    ]
 
 
 def without_timings(metrics: list[dict]) -> list[dict]:
@@ -80,8 +113,15 @@ def without_timings(metrics: list[dict]) -> list[dict]:
 
 
 def small_run(tmp_path, name: str, **overrides) -> grpo.Args:
-    settings = dict(num_steps=6, prompts_per_step=4, group_size=4, eval_every=0, save_every=2,
-                    output_dir=str(tmp_path), run_name=name)
+    settings = dict(
+        num_steps=6,
+        prompts_per_step=4,
+        group_size=4,
+        eval_every=0,
+        save_every=2,
+        output_dir=str(tmp_path),
+        run_name=name,
+    )
     return grpo.Args(**{**settings, **overrides})
 
 
@@ -91,7 +131,7 @@ def main_in_process(args: list[str]) -> None:
     import importlib
 
     module = importlib.import_module(args[0].removesuffix(".py"))
-    module.main(common.cli(module.Args, args=args[1:]))
+    module.main(harness.cli(module.Args, args=args[1:]))
 
 
 @pytest.mark.parametrize("algo", ALGORITHMS)
@@ -109,28 +149,55 @@ def test_killed_and_resumed_run_matches_the_uninterrupted_run(tmp_path, algo):
     (tmp_path / "killed" / "step_8.tmp" / "training_state.pt").write_bytes(b"half-written")
 
     main_in_process([*args, "--resume", "latest"])
-    whole, resumed = load_file(tmp_path / "whole" / "final" / "model.safetensors"), \
-        load_file(tmp_path / "killed" / "final" / "model.safetensors")
+    whole, resumed = (
+        load_file(tmp_path / "whole" / "final" / "model.safetensors"),
+        load_file(tmp_path / "killed" / "final" / "model.safetensors"),
+    )
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)  # bitwise
     assert without_timings(read_metrics(tmp_path / "killed")) == without_timings(read_metrics(tmp_path / "whole"))
 
 
 def test_resume_on_another_number_of_ranks_is_refused(tmp_path):
-    args = ["grpo.py", "--num-steps", "1", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0",
-            "--save-every", "1", "--output-dir", str(tmp_path), "--run-name", "one"]
+    args = [
+        "grpo.py",
+        "--num-steps",
+        "1",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        "--eval-every",
+        "0",
+        "--save-every",
+        "1",
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        "one",
+    ]
     main_in_process(args)  # 1 rank
     result = run([*args, "--resume", "latest"], cwd=tmp_path, torchrun=2)
     assert result.returncode != 0
     assert "written by 1 rank(s), resumed on 2. Resume with --nproc_per_node=1" in result.stderr
 
 
-@pytest.mark.parametrize("resume, message", [
-    ("latest", "--resume latest: no checkpoint under"),
-    ("nowhere/step_4", "--resume nowhere/step_4: not a resumable checkpoint"),
-])
+@pytest.mark.parametrize(
+    "resume, message",
+    [
+        ("latest", "--resume latest: no checkpoint under"),
+        ("nowhere/step_4", "--resume nowhere/step_4: not a resumable checkpoint"),
+    ],
+)
 def test_bad_resume_stops_before_any_work(tmp_path, resume, message):
-    args = grpo.Args(num_steps=1, prompts_per_step=4, group_size=4, eval_every=0, output_dir=str(tmp_path / "runs"),
-                     run_name="bad", resume=resume)
+    args = grpo.Args(
+        num_steps=1,
+        prompts_per_step=4,
+        group_size=4,
+        eval_every=0,
+        output_dir=str(tmp_path / "runs"),
+        run_name="bad",
+        resume=resume,
+    )
     with pytest.raises(UsageError, match=message):
         grpo.main(args)
     assert not (tmp_path / "runs").exists()
@@ -139,8 +206,9 @@ def test_bad_resume_stops_before_any_work(tmp_path, resume, message):
 def test_a_new_run_never_appends_to_another_runs_folder(tmp_path):
     """The same --run-name again without --resume stops at start-up, naming --resume latest where there is a
     checkpoint to go on from; the first run's metrics stay as they were."""
-    args = grpo.Args(num_steps=1, prompts_per_step=4, group_size=4, eval_every=0, output_dir=str(tmp_path),
-                     run_name="same")
+    args = grpo.Args(
+        num_steps=1, prompts_per_step=4, group_size=4, eval_every=0, output_dir=str(tmp_path), run_name="same"
+    )
     grpo.main(args)
     metrics = (tmp_path / "same" / "metrics.jsonl").read_text()
     with pytest.raises(UsageError, match="--run-name same: .* already holds a run. Choose another --run-name"):
@@ -160,8 +228,24 @@ def test_two_rank_run_resumed_from_a_checkpoint_matches(tmp_path, algo, mode):
     finished run, cut back to its step-4 checkpoint and resumed, ends where the original ended, bitwise."""
     import shutil
 
-    args = [f"{algo}.py", "--num-steps", "6", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "3",
-            "--eval-size", "16", "--save-every", "2", "--output-dir", str(tmp_path), *EXTRA.get(algo, [])]
+    args = [
+        f"{algo}.py",
+        "--num-steps",
+        "6",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        "--eval-every",
+        "3",
+        "--eval-size",
+        "16",
+        "--save-every",
+        "2",
+        "--output-dir",
+        str(tmp_path),
+        *EXTRA.get(algo, []),
+    ]
     args += ["--fsdp"] if mode == "fsdp" else []
     assert run([*args, "--run-name", "whole"], cwd=tmp_path, torchrun=2).returncode == 0
     shutil.copytree(tmp_path / "whole", tmp_path / "cut")
@@ -170,13 +254,17 @@ def test_two_rank_run_resumed_from_a_checkpoint_matches(tmp_path, algo, mode):
     assert {p.name for p in (tmp_path / "cut" / "step_4").glob("rank_*")} == {f"rank_{r}.safetensors" for r in (0, 1)}
     result = run([*args, "--run-name", "cut", "--resume", "latest"], cwd=tmp_path, torchrun=2)
     assert result.returncode == 0, result.stderr
-    whole, resumed = load_file(tmp_path / "whole" / "final" / "model.safetensors"), \
-        load_file(tmp_path / "cut" / "final" / "model.safetensors")
+    whole, resumed = (
+        load_file(tmp_path / "whole" / "final" / "model.safetensors"),
+        load_file(tmp_path / "cut" / "final" / "model.safetensors"),
+    )
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
     assert without_timings(read_metrics(tmp_path / "cut")) == without_timings(read_metrics(tmp_path / "whole"))
     if mode == "fsdp":  # each rank wrote its own shards
-        assert {p.name.split("-model-")[0] for p in (tmp_path / "cut" / "step_4" / "training_state").iterdir()} == \
-            {"shard-00001", "shard-00002"}
+        assert {p.name.split("-model-")[0] for p in (tmp_path / "cut" / "step_4" / "training_state").iterdir()} == {
+            "shard-00001",
+            "shard-00002",
+        }
 
 
 def free_port() -> int:
@@ -190,11 +278,28 @@ def free_port() -> int:
 def on_two_nodes(args: list[str], cwd) -> list[subprocess.CompletedProcess]:
     """`args` as on two machines: two torchrun launchers of one process each (--nnodes=2 --nproc_per_node=1)
     that find each other through a c10d rendezvous on localhost, as a multi-node job's do on its first node."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-                "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{free_port()}", "--rdzv-id=two-nodes"]
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc_per_node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=localhost:{free_port()}",
+        "--rdzv-id=two-nodes",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen([*launcher, str(ROOT / args[0]), *args[1:]], cwd=cwd, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [*launcher, str(ROOT / args[0]), *args[1:]],
+            cwd=cwd,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for _ in range(2)
+    ]
     return [subprocess.CompletedProcess(proc.args, proc.wait(timeout=1800), *proc.communicate()) for proc in procs]
 
 
@@ -203,8 +308,23 @@ def test_a_run_on_two_nodes_trains_saves_and_resumes(tmp_path):
     cut back to its step-2 checkpoint, resumed on two nodes, ends where the original ended, bitwise."""
     import shutil
 
-    args = ["grpo.py", "--num-steps", "4", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "2",
-            "--eval-size", "16", "--save-every", "2", "--output-dir", str(tmp_path)]
+    args = [
+        "grpo.py",
+        "--num-steps",
+        "4",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        "--eval-every",
+        "2",
+        "--eval-size",
+        "16",
+        "--save-every",
+        "2",
+        "--output-dir",
+        str(tmp_path),
+    ]
     results = on_two_nodes([*args, "--run-name", "whole"], cwd=tmp_path)
     assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
     assert {p.name for p in (tmp_path / "whole" / "step_2").glob("rank_*")} == {f"rank_{r}.safetensors" for r in (0, 1)}
@@ -213,8 +333,10 @@ def test_a_run_on_two_nodes_trains_saves_and_resumes(tmp_path):
         shutil.rmtree(tmp_path / "cut" / name)
     results = on_two_nodes([*args, "--run-name", "cut", "--resume", "latest"], cwd=tmp_path)
     assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
-    whole, resumed = load_file(tmp_path / "whole" / "final" / "model.safetensors"), \
-        load_file(tmp_path / "cut" / "final" / "model.safetensors")
+    whole, resumed = (
+        load_file(tmp_path / "whole" / "final" / "model.safetensors"),
+        load_file(tmp_path / "cut" / "final" / "model.safetensors"),
+    )
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
     assert without_timings(read_metrics(tmp_path / "cut")) == without_timings(read_metrics(tmp_path / "whole"))
 
@@ -229,8 +351,9 @@ class Payload:
         return os.system, (f"touch {self.marker}",)
 
 
-@pytest.mark.parametrize("planted", ["rank_0.safetensors", "training_state/model-00001-of-00024.safetensors",
-                                     "training_state/.metadata"])
+@pytest.mark.parametrize(
+    "planted", ["rank_0.safetensors", "training_state/model-00001-of-00024.safetensors", "training_state/.metadata"]
+)
 def test_a_planted_pickle_in_a_checkpoint_is_never_unpickled(tmp_path, planted):
     """A pickle in place of a checkpoint's files stops the resume, and as DCP's pickled metadata file (which its
     safetensors reader never opens) changes nothing; its payload never runs."""
@@ -251,11 +374,33 @@ def test_a_planted_pickle_in_a_checkpoint_is_never_unpickled(tmp_path, planted):
 
 def test_two_runs_started_together_with_one_name(tmp_path):
     """Both start at once: one claims the folder and runs, the other stops at start-up; one run's metrics."""
-    args = ["grpo.py", "--num-steps", "3", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0",
-            "--output-dir", str(tmp_path), "--run-name", "same"]
+    args = [
+        "grpo.py",
+        "--num-steps",
+        "3",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        "--eval-every",
+        "0",
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        "same",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen([sys.executable, str(ROOT / args[0]), *args[1:]], cwd=tmp_path, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / args[0]), *args[1:]],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     results = [(proc.wait(timeout=1800), proc.stderr.read()) for proc in procs]
     assert sorted(code for code, _ in results) == [0, 2], results  # 2: a usage error, one line
     loser = next(err for code, err in results if code)
@@ -266,11 +411,31 @@ def test_two_runs_started_together_with_one_name(tmp_path):
 def test_two_runs_started_together_without_a_run_name_each_get_a_folder(tmp_path):
     """A sweep from a script starts runs in the same second: the default name (file, seed, time) had no more
     to tell them apart, so the second stopped, told to choose a --run-name it never passed."""
-    args = ["grpo.py", "--num-steps", "1", "--prompts-per-step", "4", "--group-size", "2", "--eval-every", "0",
-            "--output-dir", str(tmp_path)]
+    args = [
+        "grpo.py",
+        "--num-steps",
+        "1",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "2",
+        "--eval-every",
+        "0",
+        "--output-dir",
+        str(tmp_path),
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen([sys.executable, str(ROOT / args[0]), *args[1:]], cwd=tmp_path, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / args[0]), *args[1:]],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     results = [(proc.wait(timeout=1800), proc.stderr.read()) for proc in procs]
     assert [code for code, _ in results] == [0, 0], results
     assert len([p for p in tmp_path.glob("grpo__1__*") if (p / "final").is_dir()]) == 2
@@ -327,18 +492,30 @@ def test_a_checkpoint_of_another_algorithm_is_refused_and_changed_flags_are_prin
 
     import dapo
 
-    dapo.main(dapo.Args(num_steps=2, prompts_per_step=4, group_size=4, eval_every=0, save_every=2,
-                        output_dir=str(tmp_path), run_name="d"))
+    dapo.main(
+        dapo.Args(
+            num_steps=2,
+            prompts_per_step=4,
+            group_size=4,
+            eval_every=0,
+            save_every=2,
+            output_dir=str(tmp_path),
+            run_name="d",
+        )
+    )
     with pytest.raises(UsageError, match="written by dapo.py, resumed by grpo.py. Resume it with dapo.py"):
         grpo.main(small_run(tmp_path, "g", num_steps=4, resume=str(tmp_path / "d" / "step_2")))
 
     grpo.main(small_run(tmp_path, "g", num_steps=2))
     same_shape = tmp_path / "other_model"
-    shutil.copytree(common.DEFAULT_MODEL, same_shape)
+    shutil.copytree(harness.DEFAULT_MODEL, same_shape)
     capsys.readouterr()
     grpo.main(small_run(tmp_path, "g", num_steps=3, resume="latest", learning_rate=1e-4, model=str(same_shape)))
-    assert "flags changed since the checkpoint: --model " f"{common.DEFAULT_MODEL!r} -> {str(same_shape)!r}, " \
+    assert (
+        "flags changed since the checkpoint: --model "
+        f"{harness.DEFAULT_MODEL!r} -> {str(same_shape)!r}, "
         "--num-steps 2 -> 3, --learning-rate 0.0002 -> 0.0001" in capsys.readouterr().out
+    )
 
 
 FAIL_AFTER_THE_PROBE = """
@@ -353,8 +530,21 @@ def reward(prompts, completions, answers):
 
 def test_a_start_that_fails_before_step_0_does_not_block_a_rerun(tmp_path):
     (tmp_path / "flaky.py").write_text(FAIL_AFTER_THE_PROBE)
-    args = ["grpo.py", "--num-steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0",
-            "--output-dir", str(tmp_path / "runs"), "--run-name", "again"]
+    args = [
+        "grpo.py",
+        "--num-steps",
+        "2",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        "--eval-every",
+        "0",
+        "--output-dir",
+        str(tmp_path / "runs"),
+        "--run-name",
+        "again",
+    ]
     failed = run([*args, "--reward-fn", f"{tmp_path / 'flaky.py'}:reward"], cwd=tmp_path)
     assert failed.returncode != 0 and "the reward server is down" in failed.stderr
     result = run(args, cwd=tmp_path)
@@ -412,10 +602,19 @@ def test_ctrl_c_during_a_save_is_a_ctrl_c(tmp_path, monkeypatch, where):
 
     owner, name, interrupted, counted = {
         "dcp": (dcp.HuggingFaceStorageWriter, "write_data", ctrl_c_in_dcp_write, lambda *args: True),
-        "rank state": (Path, "write_bytes", ctrl_c_in_write_bytes,
-                       lambda path, *args: path.name == "rank_0.safetensors"),
-        "save_pretrained": (transformers.modeling_utils, "safe_save_file", ctrl_c_in_save_pretrained,
-                            lambda *args: True)}[where]
+        "rank state": (
+            Path,
+            "write_bytes",
+            ctrl_c_in_write_bytes,
+            lambda path, *args: path.name == "rank_0.safetensors",
+        ),
+        "save_pretrained": (
+            transformers.modeling_utils,
+            "safe_save_file",
+            ctrl_c_in_save_pretrained,
+            lambda *args: True,
+        ),
+    }[where]
     real, calls = getattr(owner, name), []
 
     def second_save_interrupted(*args, **kwargs):
@@ -451,11 +650,33 @@ def test_a_write_error_on_one_rank_stops_every_rank(tmp_path):
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(RANK_1_DISK_FULL)
-    args = ["grpo.py", "--num-steps", "6", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0",
-            "--save-every", "2", "--fsdp", "--output-dir", str(tmp_path), "--run-name", "full"]
+    args = [
+        "grpo.py",
+        "--num-steps",
+        "6",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        "--eval-every",
+        "0",
+        "--save-every",
+        "2",
+        "--fsdp",
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        "full",
+    ]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    result = subprocess.run([*launcher, str(ROOT / args[0]), *args[1:]], cwd=tmp_path, capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}"}, timeout=1800)
+    result = subprocess.run(
+        [*launcher, str(ROOT / args[0]), *args[1:]],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}"},
+        timeout=1800,
+    )
     assert result.returncode != 0  # rank 1 stops with the OS's error, and torchrun stops rank 0
     assert "No space left on device: " in result.stderr and "rank_1.safetensors" in result.stderr
     assert [p.name for p in (tmp_path / "full").glob("step_*") if p.is_dir() and p.suffix != ".tmp"] == ["step_2"]
@@ -491,16 +712,34 @@ def test_keep_checkpoints_prunes_the_older_ones(tmp_path):
 def one_step_run(tmp_path_factory) -> tuple[Path, list[str]]:
     """A one-step run, uninterrupted: (its folder, its arguments)."""
     out = tmp_path_factory.mktemp("end")
-    args = ["grpo.py", "--num-steps", "1", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "1",
-            "--eval-size", "8", "--save-every", "1", "--output-dir", str(out), "--run-name", "whole"]
+    args = [
+        "grpo.py",
+        "--num-steps",
+        "1",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        "--eval-every",
+        "1",
+        "--eval-size",
+        "8",
+        "--save-every",
+        "1",
+        "--output-dir",
+        str(out),
+        "--run-name",
+        "whole",
+    ]
     main_in_process(args)
     return out / "whole", args
 
 
 @pytest.mark.parametrize("hang_in", ["evaluate", "save"])
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
-def test_a_run_stopped_in_its_final_evaluation_or_save_finishes_when_resumed(tmp_path, one_step_run, hang_in, stop,
-                                                                             capsys):
+def test_a_run_stopped_in_its_final_evaluation_or_save_finishes_when_resumed(
+    tmp_path, one_step_run, hang_in, stop, capsys
+):
     """Stopped after step_1/ (the last step's checkpoint) was written, in the final evaluation or the final/
     save: the resume that Ctrl-C prints (after a kill, the same: --resume latest) runs what is left, the final
     evaluation and final/, and ends as the run that was never stopped, bitwise."""
@@ -516,8 +755,10 @@ def test_a_run_stopped_in_its_final_evaluation_or_save_finishes_when_resumed(tmp
         args = [*args, "--resume", "latest"]
     main_in_process(args)  # in this process: the same flags, without a second start-up
     assert "step    1/1 | eval/accuracy" in capsys.readouterr().out  # the final evaluation, no step trained again
-    expected, got = load_file(whole / "final" / "model.safetensors"), \
-        load_file(tmp_path / "stopped" / "final" / "model.safetensors")
+    expected, got = (
+        load_file(whole / "final" / "model.safetensors"),
+        load_file(tmp_path / "stopped" / "final" / "model.safetensors"),
+    )
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
     assert without_timings(read_metrics(tmp_path / "stopped")) == without_timings(read_metrics(whole))
     assert [m["step"] for m in read_metrics(whole)] == [0, 1]

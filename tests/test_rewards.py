@@ -1,4 +1,4 @@
-"""The math reward of real data (common.correctness_reward with exact=False): a table of (gold answer,
+"""The math reward of real data (common.correctness_reward with exact_match=False): a table of (gold answer,
 completion, right?) cases in the forms MATH- and GSM8K-style datasets use, each run through the
 reward itself; and math-verify's own timeout."""
 
@@ -8,8 +8,10 @@ import pytest
 
 from common import correctness_reward
 
-GSM8K_GOLD = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
-              "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72")
+GSM8K_GOLD = (
+    "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+    "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"
+)
 
 CASES = [
     # fractions and decimals
@@ -143,31 +145,37 @@ def test_the_table_has_forty_cases():
 
 @pytest.mark.parametrize("gold, completion, right", CASES)
 def test_math_reward(gold, completion, right):
-    assert correctness_reward([completion], [gold], exact=False).tolist() == [float(right)]
+    assert correctness_reward([completion], [gold], exact_match=False).tolist() == [float(right)]
 
 
 def test_a_batch_is_graded_in_order():
     golds, completions, right = zip(*CASES)
-    assert correctness_reward(list(completions), list(golds), exact=False).tolist() == [float(r) for r in right]
+    assert correctness_reward(list(completions), list(golds), exact_match=False).tolist() == [float(r) for r in right]
 
 
 def test_a_completion_that_cannot_be_graded_in_time_scores_zero_and_grading_goes_on():
     """math-verify's own timeouts (5 s by default, as TRL's accuracy reward uses it): a power tower, which
     sympy would evaluate for far longer, scores 0 in about that time, and the next completion is graded."""
     start = time.perf_counter()
-    assert correctness_reward([r"\boxed{9^{9^{9}}}", r"\boxed{1}"], ["1", "1"], exact=False).tolist() == [0.0, 1.0]
+    assert correctness_reward([r"\boxed{9^{9^{9}}}", r"\boxed{1}"], ["1", "1"], exact_match=False).tolist() == [
+        0.0,
+        1.0,
+    ]
     assert time.perf_counter() - start < 30  # the timeout, with slack for a loaded machine
 
 
-@pytest.mark.parametrize("gold, completion, right", [
-    ("1", r"\boxed{1e99999999}", False),  # a Fraction of 10^99999999 took 224 s
-    ("1e99999999", r"\boxed{10^{99999999}}", True),
-    ("1e99999999", r"\boxed{2e99999999}", False),
-    ("1", r"\boxed{1e999999999999999999999}", False),
-    ("1", "#### " + "9" * 100_000, False),  # a number longer than Python's int conversion allows
-    ("1", r"\boxed{\frac{1}{" + "7" * 100_000 + "}}", False),
-])
+@pytest.mark.parametrize(
+    "gold, completion, right",
+    [
+        ("1", r"\boxed{1e99999999}", False),  # a Fraction of 10^99999999 took 224 s
+        ("1e99999999", r"\boxed{10^{99999999}}", True),
+        ("1e99999999", r"\boxed{2e99999999}", False),
+        ("1", r"\boxed{1e999999999999999999999}", False),
+        ("1", "#### " + "9" * 100_000, False),  # a number longer than Python's int conversion allows
+        ("1", r"\boxed{\frac{1}{" + "7" * 100_000 + "}}", False),
+    ],
+)
 def test_huge_numbers_are_graded_in_bounded_time(gold, completion, right):
     start = time.perf_counter()
-    assert correctness_reward([completion], [gold], exact=False).tolist() == [float(right)]
+    assert correctness_reward([completion], [gold], exact_match=False).tolist() == [float(right)]
     assert time.perf_counter() - start < 30  # math-verify's own timeout at most, with slack for a loaded machine

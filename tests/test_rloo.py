@@ -78,8 +78,9 @@ def test_gradcheck_and_micro_batches_add_up_to_the_step_loss():
     mask = (torch.rand(6, 4) > 0.3).double()
     assert torch.autograd.gradcheck(lambda x: rloo.compute_loss(x, old, adv, mask, 6)[0], (lp,))
     whole, _ = rloo.compute_loss(lp, old, adv, mask, 6)
-    parts = sum(rloo.compute_loss(lp[i : i + 2], old[i : i + 2], adv[i : i + 2], mask[i : i + 2], 6)[0]
-                for i in range(0, 6, 2))
+    parts = sum(
+        rloo.compute_loss(lp[i : i + 2], old[i : i + 2], adv[i : i + 2], mask[i : i + 2], 6)[0] for i in range(0, 6, 2)
+    )
     torch.testing.assert_close(parts, whole)
 
 
@@ -90,8 +91,17 @@ def test_kl_to_the_reference_is_taken_from_the_reward(tmp_path, monkeypatch):
     seen, real = [], rloo.compute_advantages
     monkeypatch.setattr(rloo, "compute_advantages", lambda r, g: seen.append(r.clone()) or real(r, g))
     beta = 0.5
-    rloo.main(rloo.Args(beta=beta, num_steps=2, prompts_per_step=4, group_size=4, eval_every=0,
-                        output_dir=str(tmp_path), run_name="kl"))
+    rloo.main(
+        rloo.Args(
+            beta=beta,
+            num_steps=2,
+            prompts_per_step=4,
+            group_size=4,
+            eval_every=0,
+            output_dir=str(tmp_path),
+            run_name="kl",
+        )
+    )
     metrics = read_metrics(tmp_path / "kl")
     assert metrics[0]["algo/kl"] == 0
     assert seen[0].mean().item() == pytest.approx(metrics[0]["reward/mean"], abs=1e-6)

@@ -116,8 +116,11 @@ def peer_weights(old, sampler, mask, correction, cap):
     the log-ratio)."""
     diff = (old - sampler) * mask  # TRL's per_token_logps_diff; verl's log_ratio on the response tokens
     lower, upper = math.log(1 / cap), math.log(cap)
-    statistic = {"mis": -diff, "seq-mis": -diff.sum(-1, keepdim=True),
-                 "geo-mis": -diff.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)}
+    statistic = {
+        "mis": -diff,
+        "seq-mis": -diff.sum(-1, keepdim=True),
+        "geo-mis": -diff.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True),
+    }
     if correction in statistic:
         return ((statistic[correction] >= lower) & (statistic[correction] <= upper)).to(old.dtype).expand_as(old)
     return {"tis": diff, "seq-tis": diff.sum(-1, keepdim=True)}[correction].exp().clamp(max=cap).expand_as(old)
@@ -138,8 +141,9 @@ def test_grpo_gradient_is_trl_per_token_loss_times_the_peers_weight(correction):
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 0, 0, 0]], dtype=torch.float64)
     cap = 1.2 if correction == "geo-mis" else 2.0  # a geometric mean varies less: a cap that masks some
     weights = rollout_weights(old, sampler, mask, correction, cap)
-    torch.testing.assert_close(weights * mask, peer_weights(old, sampler, mask, correction, cap) * mask,
-                               rtol=1e-15, atol=0)
+    torch.testing.assert_close(
+        weights * mask, peer_weights(old, sampler, mask, correction, cap) * mask, rtol=1e-15, atol=0
+    )
     loss, _ = compute_loss(reweighted(logprobs, weights), old, None, advantages, mask, 3, 0.2, 0.0)
     (ours,) = torch.autograd.grad(loss, logprobs)
 
@@ -181,11 +185,12 @@ def test_metrics_of_the_sequence_modes_count_completions():
     assert tis["policy/correction_weight_mean"] == pytest.approx((4 * 3.0 + 2 * 1.5**2) / 6)
 
 
-def run_with_sampler_temperature(tmp_path, monkeypatch, name: str, factor: float, flags: list[str],
-                                 algo: str = "grpo", steps: int = 2) -> list[dict]:
+def run_with_sampler_temperature(
+    tmp_path, monkeypatch, name: str, factor: float, flags: list[str], algo: str = "grpo", steps: int = 2
+) -> list[dict]:
     """A file's metrics when its sampler draws at `factor` times the temperature the trainer assumes: a
     mismatched sampler, as another engine's numerics make one, only larger."""
-    from common import cli
+    from harness import cli
 
     module = importlib.import_module(algo)
     real = module.generate
@@ -194,8 +199,22 @@ def run_with_sampler_temperature(tmp_path, monkeypatch, name: str, factor: float
         return real(model, tokenizer, prompts, group_size, max_new_tokens, temperature * factor, *args, **kwargs)
 
     monkeypatch.setattr(module, "generate", mismatched)
-    module.main(cli(module.Args, args=["--num-steps", str(steps), "--eval-every", "0", "--output-dir", str(tmp_path),
-                                       "--run-name", name, *flags]))
+    module.main(
+        cli(
+            module.Args,
+            args=[
+                "--num-steps",
+                str(steps),
+                "--eval-every",
+                "0",
+                "--output-dir",
+                str(tmp_path),
+                "--run-name",
+                name,
+                *flags,
+            ],
+        )
+    )
     return read_metrics(tmp_path / name)
 
 
@@ -225,9 +244,11 @@ def test_the_metrics_follow_the_formula_with_a_mismatched_sampler(tmp_path, monk
     pi_old over the vocabulary), so its mean over the tokens is ~1 however far pi_s is from pi_old; a cap
     then lowers it and truncates some tokens; MIS masks some. With the sampler the trainer's own, every
     weight is 1. One step each, of 256 completions, one update: the metrics are the rollout's."""
+
     def one_step(name: str, factor: float, *flags: str) -> list[dict]:
-        return run_with_sampler_temperature(tmp_path, monkeypatch, name, factor, ["--updates-per-rollout", "1",
-                                                                                  *flags], steps=1)
+        return run_with_sampler_temperature(
+            tmp_path, monkeypatch, name, factor, ["--updates-per-rollout", "1", *flags], steps=1
+        )
 
     matched = one_step("matched", 1.0, "--rollout-correction", "tis")
     untruncated = one_step("wide", 2.0, "--rollout-correction", "tis", "--correction-cap", "1e9")

@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 import grpo
-from common import DEFAULT_MODEL, UsageError
+from common import UsageError
 from conftest import ALGORITHMS, read_metrics, run
+from harness import DEFAULT_MODEL
 
 pytestmark = pytest.mark.slow  # whole runs in subprocesses and the learning runs: `-m 'not slow'` skips them
 
@@ -19,15 +20,45 @@ FAST = ["--num-steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--e
 
 
 def test_smoke_two_steps(tmp_path):
-    result = run(["grpo.py", *FAST, "--eval-every", "1", "--eval-size", "8", "--output-dir", str(tmp_path),
-                  "--run-name", "smoke", "--save-every", "1"], cwd=tmp_path)
+    result = run(
+        [
+            "grpo.py",
+            *FAST,
+            "--eval-every",
+            "1",
+            "--eval-size",
+            "8",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "smoke",
+            "--save-every",
+            "1",
+        ],
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     metrics = read_metrics(tmp_path / "smoke")
     assert [m["step"] for m in metrics] == [0, 1, 2]
-    for key in ["reward/mean", "reward/std", "reward/correct", "response/length_mean", "response/truncated_frac",
-                "loss/policy", "loss/kl", "policy/entropy", "policy/approx_kl", "policy/clipfrac",
-                "policy/grad_norm", "perf/step_s", "perf/gen_s", "perf/tokens_per_s", "perf/peak_mem_gb",
-                "eval/accuracy", "eval/accuracy_greedy"]:
+    for key in [
+        "reward/mean",
+        "reward/std",
+        "reward/correct",
+        "response/length_mean",
+        "response/truncated_frac",
+        "loss/policy",
+        "loss/kl",
+        "policy/entropy",
+        "policy/approx_kl",
+        "policy/clipfrac",
+        "policy/grad_norm",
+        "perf/step_s",
+        "perf/gen_s",
+        "perf/tokens_per_s",
+        "perf/peak_mem_gb",
+        "eval/accuracy",
+        "eval/accuracy_greedy",
+    ]:
         assert key in metrics[0], key
     # Progress on each step line: step/total, the elapsed time, and an ETA while steps are left.
     clock = r"\d+:\d\d:\d\d"
@@ -39,8 +70,11 @@ def test_smoke_two_steps(tmp_path):
 
 
 def test_torchrun_two_ranks_smoke(tmp_path):
-    result = run(["grpo.py", *FAST, "--eval-every", "2", "--output-dir", str(tmp_path), "--run-name", "ddp"],
-                 cwd=tmp_path, torchrun=2)
+    result = run(
+        ["grpo.py", *FAST, "--eval-every", "2", "--output-dir", str(tmp_path), "--run-name", "ddp"],
+        cwd=tmp_path,
+        torchrun=2,
+    )
     assert result.returncode == 0, result.stderr
     metrics = read_metrics(tmp_path / "ddp")
     assert [m["step"] for m in metrics] == [0, 1, 2]
@@ -55,8 +89,23 @@ def test_fsdp_two_ranks_smoke(tmp_path):
     final checkpoint gathered from the shards that loads with from_pretrained."""
     from transformers import AutoModelForCausalLM
 
-    result = run(["grpo.py", *FAST[:6], "--eval-every", "2", "--eval-size", "513", "--fsdp", "--output-dir",
-                  str(tmp_path), "--run-name", "fsdp"], cwd=tmp_path, torchrun=2)
+    result = run(
+        [
+            "grpo.py",
+            *FAST[:6],
+            "--eval-every",
+            "2",
+            "--eval-size",
+            "513",
+            "--fsdp",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "fsdp",
+        ],
+        cwd=tmp_path,
+        torchrun=2,
+    )
     assert result.returncode == 0, result.stderr
     metrics = read_metrics(tmp_path / "fsdp")
     assert [m["step"] for m in metrics] == [0, 1, 2] and 0 < metrics[-1]["eval/accuracy"] < 1
@@ -83,7 +132,8 @@ def test_ranks_share_prompts_only_all_together(tmp_path):
     are those of one process running every row whole."""
     from shared_prompts_ranks import PROMPTS, rows
 
-    from common import get_logprobs, load_model, load_tokenizer
+    from common import get_logprobs
+    from harness import load_model, load_tokenizer
 
     result = run(["tests/shared_prompts_ranks.py"], cwd=tmp_path, torchrun=2, timeout=600)
     assert result.returncode == 0, result.stderr
@@ -111,7 +161,7 @@ def test_ranks_share_prompts_only_all_together(tmp_path):
 LAST_LINES = """
 import atexit
 import torch.distributed as dist
-from common import cleanup_distributed, setup_distributed
+from harness import cleanup_distributed, setup_distributed
 rank, world_size, _ = setup_distributed()
 table = [None] * world_size
 dist.all_gather_object(table, rank)
@@ -143,11 +193,29 @@ def one_step(tmp_path: Path, algo: str, name: str, dataset: Path, extra: list[st
     on ranks, the script under torchrun."""
     from pinned_run import pinned_generate
 
-    from common import cli
+    from harness import cli
 
-    flags = ["--dataset", str(dataset), "--eval-size", "4", "--num-steps", "1", "--prompts-per-step", "8",
-             "--group-size", "4", "--eval-every", "0", "--output-dir", str(tmp_path), "--run-name", name,
-             "--learning-rate", "1e-3", *extra]
+    flags = [
+        "--dataset",
+        str(dataset),
+        "--eval-size",
+        "4",
+        "--num-steps",
+        "1",
+        "--prompts-per-step",
+        "8",
+        "--group-size",
+        "4",
+        "--eval-every",
+        "0",
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        name,
+        "--learning-rate",
+        "1e-3",
+        *extra,
+    ]
     if torchrun:
         result = run(["tests/pinned_run.py", algo, *flags], cwd=Path(__file__).parent.parent, torchrun=torchrun)
         assert result.returncode == 0, result.stderr
@@ -188,16 +256,19 @@ def test_two_ranks_and_micro_batches_give_the_same_update(tmp_path, mixed_datase
     budget, ranks = ["--max-tokens-per-micro-batch", "220", "--dist-timeout", "2"], ["--micro-batch-size", "16"]
     cuts = set()  # with the budget, how many micro-batches rank 0's rows and rank 1's take, each rank alone
 
-    def micro_batches(rows, mask, P, size, tokens=None, *args, **kwargs):
-        if tokens is not None:
-            cuts.add(tuple(len(common.micro_batches(rows[r * 16 : r * 16 + 16], mask, P, size, tokens, *args, **kwargs))
-                           for r in (0, 1)))
-        return common.micro_batches(rows, mask, P, size, tokens, *args, **kwargs)
+    def micro_batches(rows, mask, P, **limits):
+        if limits["max_tokens"] is not None:
+            cuts.add(tuple(len(common.micro_batches(rows[r * 16 : r * 16 + 16], mask, P, **limits)) for r in (0, 1)))
+        return common.micro_batches(rows, mask, P, **limits)
 
     monkeypatch.setattr(importlib.import_module(algo), "micro_batches", micro_batches)  # in the 1-process runs
     fsdp = [("fsdp", [*ranks, "--fsdp", *budget], 2)] if algo in ("grpo", "ppo") else []
-    for name, extra, torchrun in [("ddp", [*ranks, *budget], 2), ("micro", ["--micro-batch-size", "8"], 0),
-                                  ("budget", budget, 0), *fsdp]:
+    for name, extra, torchrun in [
+        ("ddp", [*ranks, *budget], 2),
+        ("micro", ["--micro-batch-size", "8"], 0),
+        ("budget", budget, 0),
+        *fsdp,
+    ]:
         new, m = one_step(tmp_path, algo, name, mixed_dataset, extra, torchrun)
         print(json.dumps({"algo": algo, "mode": name, "max_relative_difference": max_relative_difference(base, new)}))
         assert max_relative_difference(base, new) <= 1e-5, name
@@ -205,6 +276,8 @@ def test_two_ranks_and_micro_batches_give_the_same_update(tmp_path, mixed_datase
         for key in [key for key in m if not key.startswith("perf/")]:  # (the sampler's log-prob gap, ~1e-6, is
             assert m[key] == pytest.approx(base_m[key], rel=1e-4, abs=1e-5, nan_ok=True), (name, key)  # rounding)
     assert cuts == {(3, 4)}
+
+
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_gradient_checkpointing_gives_the_same_update(tmp_path, mixed_dataset, algo):
     """Recomputing activations in the backward pass changes memory, not the step (ppo.py: the critic's too).
@@ -218,8 +291,13 @@ def test_gradient_checkpointing_gives_the_same_update(tmp_path, mixed_dataset, a
     keys = ["policy/grad_norm", "algo/value_grad_norm"] if algo == "ppo" else ["policy/grad_norm"]
     base, base_m = one_step(tmp_path, algo, "plain1", mixed_dataset, ["--micro-batch-size", "1"])
     for micro_batch_size, tolerance in [("1", 1e-6), ("16", 1e-5)]:
-        new, m = one_step(tmp_path, algo, f"ckpt{micro_batch_size}", mixed_dataset,
-                          ["--micro-batch-size", micro_batch_size, "--gradient-checkpointing"])
+        new, m = one_step(
+            tmp_path,
+            algo,
+            f"ckpt{micro_batch_size}",
+            mixed_dataset,
+            ["--micro-batch-size", micro_batch_size, "--gradient-checkpointing"],
+        )
         assert max_relative_difference(base, new) <= tolerance, micro_batch_size
         for key in keys:
             assert m[key] == pytest.approx(base_m[key], rel=tolerance), (micro_batch_size, key)
@@ -229,8 +307,17 @@ def test_gradient_checkpointing_gives_the_same_update(tmp_path, mixed_dataset, a
 
 
 def main_fails(tmp_path, message: str, **overrides):
-    args = grpo.Args(**{"num_steps": 1, "prompts_per_step": 4, "group_size": 4, "eval_every": 0,
-                        "output_dir": str(tmp_path / "runs"), "run_name": "bad", **overrides})
+    args = grpo.Args(
+        **{
+            "num_steps": 1,
+            "prompts_per_step": 4,
+            "group_size": 4,
+            "eval_every": 0,
+            "output_dir": str(tmp_path / "runs"),
+            "run_name": "bad",
+            **overrides,
+        }
+    )
     with pytest.raises(UsageError, match=message):
         grpo.main(args)
     assert not (tmp_path / "runs").exists()  # nothing was written
@@ -247,14 +334,21 @@ def test_bad_model(tmp_path):
 
 
 def test_bad_dataset(tmp_path):
-    main_fails(tmp_path, "train.jsonl:2: not valid JSON",
-               dataset=write(tmp_path / "train.jsonl", '{"prompt": "a", "answer": "b"}\nnot json\n'))
-    main_fails(tmp_path, "train.jsonl:1: missing field answer",
-               dataset=write(tmp_path / "train.jsonl", '{"prompt": "a"}\n'))
+    main_fails(
+        tmp_path,
+        "train.jsonl:2: not valid JSON",
+        dataset=write(tmp_path / "train.jsonl", '{"prompt": "a", "answer": "b"}\nnot json\n'),
+    )
+    main_fails(
+        tmp_path, "train.jsonl:1: missing field answer", dataset=write(tmp_path / "train.jsonl", '{"prompt": "a"}\n')
+    )
     main_fails(tmp_path, "has no examples", dataset=write(tmp_path / "train.jsonl", ""))
     main_fails(tmp_path, "no such file", dataset=str(tmp_path / "missing.jsonl"))
-    main_fails(tmp_path, "too few to hold out --eval-size",
-               dataset=write(tmp_path / "train.jsonl", '{"prompt": "a", "answer": "b"}\n' * 3))
+    main_fails(
+        tmp_path,
+        "too few to hold out --eval-size",
+        dataset=write(tmp_path / "train.jsonl", '{"prompt": "a", "answer": "b"}\n' * 3),
+    )
 
 
 def test_bad_batch_sizes(tmp_path):
@@ -270,8 +364,10 @@ def test_fsdp_needs_ranks(tmp_path):
 
 def test_bad_reward_fn(tmp_path):
     module = tmp_path / "rewards.py"
-    module.write_text("def boom(p, c, a):\n    raise ValueError('bad')\ndef short(p, c, a):\n    return [0.0]\n"
-                      "def none(p, c, a):\n    return None\ndef nan(p, c, a):\n    return [float('nan')] * len(c)\n")
+    module.write_text(
+        "def boom(p, c, a):\n    raise ValueError('bad')\ndef short(p, c, a):\n    return [0.0]\n"
+        "def none(p, c, a):\n    return None\ndef nan(p, c, a):\n    return [float('nan')] * len(c)\n"
+    )
     main_fails(tmp_path, "cannot import", reward_fn="no_such_module_abc:fn")
     main_fails(tmp_path, "raised ValueError: bad", reward_fn=f"{module}:boom")
     main_fails(tmp_path, "one finite float per completion", reward_fn=f"{module}:short")
@@ -284,7 +380,8 @@ def test_bad_input_message_from_the_command_line(tmp_path):
     result = run(["grpo.py", "--micro-batch-size", "7"], cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "error: --micro-batch-size must divide the sequences per rank and minibatch (got 256 and 7)"]
+        "error: --micro-batch-size must divide the sequences per rank and minibatch (got 256 and 7)"
+    ]
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
@@ -297,8 +394,16 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monk
 
     real = grpo.compute_loss
     monkeypatch.setattr(grpo, "compute_loss", nan_from_step_two)
-    args = grpo.Args(num_steps=3, prompts_per_step=4, group_size=4, updates_per_rollout=1, eval_every=0,
-                     save_every=1, output_dir=str(tmp_path), run_name="nan")
+    args = grpo.Args(
+        num_steps=3,
+        prompts_per_step=4,
+        group_size=4,
+        updates_per_rollout=1,
+        eval_every=0,
+        save_every=1,
+        output_dir=str(tmp_path),
+        run_name="nan",
+    )
     with pytest.raises(UsageError, match=r"step 1: non-finite gradient norm .* Last checkpoint: .*step_1"):
         grpo.main(args)
     weights = load_file(tmp_path / "nan" / "step_1" / "model.safetensors")
@@ -318,13 +423,24 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monk
 # (2026-12-06, the same way) at steps 10 / 20 / 30 / 40 / 50: dppo 0.500 / 0.524 / 0.556 / 0.588 / 0.632: 30 steps,
 # +0.17; sapo 0.484 / 0.478 / 0.532 / 0.526 / 0.586 (the slowest of the clipped-or-gated files over 200 steps too:
 # docs/benchmarks.md): 50 steps, +0.20.
-STEPS = {"grpo": 20, "dapo": 20, "cispo": 20, "drgrpo": 20, "gspo": 20, "ppo": 20, "gvpo": 50, "rloo": 50, "dppo": 30,
-         "sapo": 50}
+STEPS = {
+    "grpo": 20,
+    "dapo": 20,
+    "cispo": 20,
+    "drgrpo": 20,
+    "gspo": 20,
+    "ppo": 20,
+    "gvpo": 50,
+    "rloo": 50,
+    "dppo": 30,
+    "sapo": 50,
+}
 REUSE = ("gvpo", ["--reuse-steps", "1"], 100)
 
 
-@pytest.mark.parametrize("algo, flags, steps", [(a, [], STEPS[a]) for a in ALGORITHMS] + [REUSE],
-                         ids=ALGORITHMS + ["gvpo-reuse"])
+@pytest.mark.parametrize(
+    "algo, flags, steps", [(a, [], STEPS[a]) for a in ALGORITHMS] + [REUSE], ids=ALGORITHMS + ["gvpo-reuse"]
+)
 def test_learns_the_default_task(tmp_path, algo, flags, steps):
     """20-50 steps (STEPS) on the default model and task lift held-out sampled accuracy from ~0.39 to 0.54-0.57.
     Each evaluation scores 500 prompts once: its standard error is about 0.022, so the difference of
@@ -338,8 +454,23 @@ def test_learns_the_default_task(tmp_path, algo, flags, steps):
     held-out sampled accuracy at steps 50 / 100 / 200, seeds 1 / 2 / 3: +0.13 / +0.22 / +0.21, +0.17 / +0.24 /
     +0.41, +0.15 / +0.27 / +0.29; with two passes a step (the default before the passes were counted over the
     steps) only +0.09, +0.06, +0.13 at step 200, the run oscillating. Hence 100 steps."""
-    result = run([f"{algo}.py", "--num-steps", str(steps), "--eval-every", str(steps), "--output-dir", str(tmp_path),
-                  "--run-name", "learn", "--seed", "1", *flags], cwd=tmp_path)
+    result = run(
+        [
+            f"{algo}.py",
+            "--num-steps",
+            str(steps),
+            "--eval-every",
+            str(steps),
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "learn",
+            "--seed",
+            "1",
+            *flags,
+        ],
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     metrics = read_metrics(tmp_path / "learn")
     evals = [m for m in metrics if "eval/accuracy" in m]
@@ -363,9 +494,17 @@ def tiny_llama_without_pad_token(folder: Path, hidden_size: int = 32) -> int:
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=hidden_size, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                         bos_token_id=0, eos_token_id=1)
+    config = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=hidden_size,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     assert tokenizer.pad_token is None and not tokenizer.chat_template
@@ -377,9 +516,25 @@ def test_another_architecture_without_pad_token_or_chat_template(tmp_path, fixed
     pad token (one is added and the embeddings grow) and no chat template, on a JSONL dataset."""
     folder = tmp_path / "llama"
     vocab_size = tiny_llama_without_pad_token(folder)
-    result = run(["grpo.py", "--model", str(folder), "--dataset", str(fixed_length_dataset), "--eval-size", "8",
-                  "--eval-every", "1", *FAST[:6], "--output-dir", str(tmp_path / "runs"), "--run-name", "llama"],
-                 cwd=tmp_path)
+    result = run(
+        [
+            "grpo.py",
+            "--model",
+            str(folder),
+            "--dataset",
+            str(fixed_length_dataset),
+            "--eval-size",
+            "8",
+            "--eval-every",
+            "1",
+            *FAST[:6],
+            "--output-dir",
+            str(tmp_path / "runs"),
+            "--run-name",
+            "llama",
+        ],
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     metrics = read_metrics(tmp_path / "runs" / "llama")
     assert metrics[-1]["step"] == 2 and "eval/accuracy" in metrics[-1]

@@ -14,24 +14,24 @@ import shutil
 import pytest
 import torch
 
-from common import (
-    DEFAULT_MODEL,
-    UsageError,
-    format_prompt,
-    generate,
-    get_logprobs,
-    load_model,
-    load_tokenizer,
-    sampler_logprob_gap,
-)
+from common import UsageError, format_prompt, generate, get_logprobs, sampler_logprob_gap
 from conftest import ALGORITHMS, read_metrics
+from harness import DEFAULT_MODEL, load_model, load_tokenizer
 
 PROMPTS = ("1+2", "45+67", "99+9", "3+30")
 CPU = torch.device("cpu")
 
 # Every field transformers would otherwise merge from the checkpoint into sampling, set to change it.
-HOSTILE_GENERATION_CONFIG = {"repetition_penalty": 1.1, "min_p": 0.1, "no_repeat_ngram_size": 2, "min_new_tokens": 3,
-                             "top_k": 20, "top_p": 0.8, "temperature": 0.7, "do_sample": False}
+HOSTILE_GENERATION_CONFIG = {
+    "repetition_penalty": 1.1,
+    "min_p": 0.1,
+    "no_repeat_ngram_size": 2,
+    "min_new_tokens": 3,
+    "top_k": 20,
+    "top_p": 0.8,
+    "temperature": 0.7,
+    "do_sample": False,
+}
 
 
 def generate_with_sampler_scores(model, tokenizer, prompts, group_size, max_new_tokens, temperature):
@@ -139,12 +139,24 @@ def random_model(folder, architecture: str, tokenizer):
     for the transform to matter (the LM head scaled up)."""
     import transformers
 
-    shape = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=False,
-                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                 pad_token_id=tokenizer.pad_token_id)
-    own = {"Gemma2": dict(head_dim=32, final_logit_softcapping=30.0), "Cohere": dict(logit_scale=0.0625),
-           "Granite": dict(logits_scaling=8.0)}[architecture]
+    shape = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    own = {
+        "Gemma2": dict(head_dim=32, final_logit_softcapping=30.0),
+        "Cohere": dict(logit_scale=0.0625),
+        "Granite": dict(logits_scaling=8.0),
+    }[architecture]
     config = getattr(transformers, f"{architecture}Config")(**shape, **own)
     torch.manual_seed(0)
     model = getattr(transformers, f"{architecture}ForCausalLM")(config)
@@ -196,9 +208,17 @@ def falcon_with_attention_dropout(folder) -> str:
     from transformers import FalconConfig, FalconForCausalLM
 
     tokenizer = load_tokenizer(DEFAULT_MODEL)
-    config = FalconConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                          attention_dropout=0.1, hidden_dropout=0.1, bos_token_id=tokenizer.bos_token_id,
-                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = FalconConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        attention_dropout=0.1,
+        hidden_dropout=0.1,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     FalconForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -249,21 +269,29 @@ def test_gap_metric_is_a_mean_and_a_max_over_response_tokens():
 # on each file's learning run.
 
 
-@pytest.mark.parametrize("algo, flags, policy_passes", [
-    ("grpo", [], 0),
-    ("grpo", ["--num-minibatches", "2"], 1),  # the second optimizer step of a pass runs on updated weights
-    *[pytest.param(algo, [], 1 if algo == "ppo" else 0, marks=pytest.mark.slow)  # PPO's KL reward needs them first
-      for algo in ALGORITHMS if algo != "grpo"],
-    pytest.param("ppo", ["--beta", "0"], 0, marks=pytest.mark.slow),
-    pytest.param("rloo", ["--beta", "0.05"], 1, marks=pytest.mark.slow),  # RLOO's too, with one (default beta 0)
-])
+@pytest.mark.parametrize(
+    "algo, flags, policy_passes",
+    [
+        ("grpo", [], 0),
+        ("grpo", ["--num-minibatches", "2"], 1),  # the second optimizer step of a pass runs on updated weights
+        *[
+            pytest.param(
+                algo, [], 1 if algo == "ppo" else 0, marks=pytest.mark.slow
+            )  # PPO's KL reward needs them first
+            for algo in ALGORITHMS
+            if algo != "grpo"
+        ],
+        pytest.param("ppo", ["--beta", "0"], 0, marks=pytest.mark.slow),
+        pytest.param("rloo", ["--beta", "0.05"], 1, marks=pytest.mark.slow),  # RLOO's too, with one (default beta 0)
+    ],
+)
 def test_the_first_pass_gives_the_old_logprobs(tmp_path, monkeypatch, algo, flags, policy_passes):
     """With one optimizer step per pass, the first pass runs on the sampling weights, so its forward gives the
     old log-probs and no no-grad pass of the policy is needed. The logged sampler gap is computed from them:
     a wrong or missing one (zeros) would put it at the log-probs' size, ~1, not ~1e-6."""
     import importlib
 
-    from common import cli
+    from harness import cli
 
     module, calls = importlib.import_module(algo), []
     real = module.rollout_logprobs
@@ -273,8 +301,26 @@ def test_the_first_pass_gives_the_old_logprobs(tmp_path, monkeypatch, algo, flag
         return real(model, *args, **kwargs)
 
     monkeypatch.setattr(module, "rollout_logprobs", recording)
-    module.main(cli(module.Args, args=["--num-steps", "2", "--prompts-per-step", "4", "--group-size", "4",
-                                       "--eval-every", "0", "--output-dir", str(tmp_path), "--run-name", "r", *flags]))
+    module.main(
+        cli(
+            module.Args,
+            args=[
+                "--num-steps",
+                "2",
+                "--prompts-per-step",
+                "4",
+                "--group-size",
+                "4",
+                "--eval-every",
+                "0",
+                "--output-dir",
+                str(tmp_path),
+                "--run-name",
+                "r",
+                *flags,
+            ],
+        )
+    )
     assert sum(calls) == 2 * policy_passes, calls  # over the 2 steps
     for m in read_metrics(tmp_path / "r"):
         assert m["policy/sampler_logprob_gap_max"] <= 1e-4, m

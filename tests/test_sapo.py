@@ -40,8 +40,9 @@ def test_gated_loss_and_gradient_hand_worked():
     sigmoid = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731 the same, exactly, from the formula
     assert loss.item() == pytest.approx((-(4 * sigmoid(0.5) + 2) / 2 + 4 / 1.05 * sigmoid(-0.525)) / 2, abs=1e-15)
     loss.backward()
-    torch.testing.assert_close(logprobs.grad, torch.tensor([[-0.3525056, -0.25], [0.2335350, 0.0]],
-                                                           dtype=torch.float64), atol=1e-7, rtol=0)
+    torch.testing.assert_close(
+        logprobs.grad, torch.tensor([[-0.3525056, -0.25], [0.2335350, 0.0]], dtype=torch.float64), atol=1e-7, rtol=0
+    )
     # The mean gate weight over the 3 tokens: (0.9400148 + 1 + 0.9341398) / 3 = 0.9580516. The share of
     # sum_t r |A| = 1.5 + 1 + 0.5 = 3 the gate removes: (1.5 x 0.0599852 + 0 + 0.5 x 0.0658602) / 3 = 0.0409693.
     metrics = all_reduce_mean(metrics)  # (sum, count) pairs, as logged
@@ -55,8 +56,10 @@ def test_on_policy_it_is_grpos_step_and_far_off_policy_the_gradient_fades_withou
     lp = torch.randn(4, 5, dtype=torch.float64)
     adv, mask = torch.randn(4, dtype=torch.float64), (torch.rand(4, 5) > 0.3).double()
     grads = []
-    for loss_fn in (lambda x: sapo.compute_loss(x, lp, None, adv, mask, 4, tau_pos=3.0, tau_neg=0.5)[0],
-                    lambda x: grpo.compute_loss(x, lp, None, adv, mask, 4, beta=0.0)[0]):
+    for loss_fn in (
+        lambda x: sapo.compute_loss(x, lp, None, adv, mask, 4, tau_pos=3.0, tau_neg=0.5)[0],
+        lambda x: grpo.compute_loss(x, lp, None, adv, mask, 4, beta=0.0)[0],
+    ):
         x = lp.clone().requires_grad_()
         loss_fn(x).backward()
         grads.append(x.grad)
@@ -64,11 +67,20 @@ def test_on_policy_it_is_grpos_step_and_far_off_policy_the_gradient_fades_withou
     # One token, A = +1: GRPO's gradient is 1 up to r = 1.2 and 0 after; SAPO's weight w r decays smoothly,
     # 4 sigmoid(0.19)(1 - sigmoid(0.19)) x 1.19 = 1.1793 just inside the band, 1.2 x 0.9901 = 1.1881 at its edge,
     # and at r = 5 still 5 x 0.0707 = 0.3533.
-    for r, expected in [(1.19, 1.19 * 4 * 0.5473576 * 0.4526424), (1.2, 1.2 * 4 * 0.5498340 * 0.4501660),
-                        (5.0, 5.0 * 4 * 0.9820138 * 0.0179862)]:
+    for r, expected in [
+        (1.19, 1.19 * 4 * 0.5473576 * 0.4526424),
+        (1.2, 1.2 * 4 * 0.5498340 * 0.4501660),
+        (5.0, 5.0 * 4 * 0.9820138 * 0.0179862),
+    ]:
         x = torch.tensor([[math.log(r)]], dtype=torch.float64, requires_grad=True)
-        sapo.compute_loss(x, torch.zeros(1, 1, dtype=torch.float64), None, torch.ones(1, dtype=torch.float64),
-                          torch.ones(1, 1, dtype=torch.float64), 1)[0].backward()
+        sapo.compute_loss(
+            x,
+            torch.zeros(1, 1, dtype=torch.float64),
+            None,
+            torch.ones(1, dtype=torch.float64),
+            torch.ones(1, 1, dtype=torch.float64),
+            1,
+        )[0].backward()
         assert -x.grad.item() == pytest.approx(expected, abs=1e-6)
 
 
@@ -94,8 +106,8 @@ def test_same_value_and_gradient_as_trl_and_verl():
     loss, _ = sapo.compute_loss(lp, old, None, adv, mask, 6)
     reference = peers_sapo_loss(lp, old, adv, mask)
     torch.testing.assert_close(loss, reference, rtol=0, atol=1e-12)
-    g1, = torch.autograd.grad(loss, lp)
-    g2, = torch.autograd.grad(reference, lp)
+    (g1,) = torch.autograd.grad(loss, lp)
+    (g2,) = torch.autograd.grad(reference, lp)
     torch.testing.assert_close(g1, g2, rtol=0, atol=1e-12)
 
 
@@ -113,6 +125,8 @@ def test_micro_batches_add_up_to_the_step_loss():
     old, adv = lp + 0.3 * torch.randn(6, 4), torch.randn(6)
     mask = (torch.rand(6, 4) > 0.3).float()
     whole, _ = sapo.compute_loss(lp, old, None, adv, mask, 6)
-    parts = sum(sapo.compute_loss(lp[i : i + 2], old[i : i + 2], None, adv[i : i + 2], mask[i : i + 2], 6)[0]
-                for i in range(0, 6, 2))
+    parts = sum(
+        sapo.compute_loss(lp[i : i + 2], old[i : i + 2], None, adv[i : i + 2], mask[i : i + 2], 6)[0]
+        for i in range(0, 6, 2)
+    )
     torch.testing.assert_close(parts, whole)

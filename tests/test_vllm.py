@@ -78,8 +78,23 @@ def test_one_push_for_each_change_of_the_weights(vllm_python, tmp_path):
     """The engine gets the policy's weights at a sampling call only when an optimizer step has changed them
     since its last push: not again for the greedy evaluation after the sampled one, nor for the step's
     rollout after them, nor for a second round of dynamic sampling. DAPO, two optimizer steps a rollout."""
-    flags = ["--vllm", "--num-steps", "3", "--eval-every", "1", "--eval-size", "50", "--prompts-per-step", "8",
-             "--group-size", "2", "--output-dir", str(tmp_path), "--run-name", "r"]
+    flags = [
+        "--vllm",
+        "--num-steps",
+        "3",
+        "--eval-every",
+        "1",
+        "--eval-size",
+        "50",
+        "--prompts-per-step",
+        "8",
+        "--group-size",
+        "2",
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        "r",
+    ]
     events = check(vllm_python, "pushes", tmp_path, "dapo", *flags)["events"]
     changed, expected, pushed = True, [], []  # the engine starts with dummy weights
     for i, event in enumerate(events):
@@ -128,7 +143,7 @@ def test_the_prefix_cache_is_emptied_when_the_weights_change(vllm_python, tmp_pa
 def test_a_turn_stops_at_the_token_that_completes_its_stop_string(vllm_python, tmp_path):
     """vLLM's own stop strings (SamplingParams.stop, the stop string kept): greedy responses with the stop string '1'
     are those without it up to the token that completes it, and end there; the others are the same."""
-    from common import DEFAULT_MODEL, load_tokenizer
+    from harness import DEFAULT_MODEL, load_tokenizer
 
     tokenizer, answers = load_tokenizer(DEFAULT_MODEL), check(vllm_python, "stop", tmp_path)
     stopped = 0
@@ -142,8 +157,24 @@ def test_a_turn_stops_at_the_token_that_completes_its_stop_string(vllm_python, t
 def test_grpo_learns_the_default_task_with_vllm(vllm_python, tmp_path):
     """As test_runs.test_learns_the_default_task, sampling and evaluating with vLLM. Measured (seed 1, 1 thread):
     held-out 0.352 at step 0, 0.502 at 10, 0.548 at 20, 0.578 at 30: 20 steps rise by 0.196."""
-    result = run_vllm(vllm_python, ["grpo.py", "--vllm", "--num-steps", "20", "--eval-every", "20", "--output-dir",
-                                    str(tmp_path), "--run-name", "learn", "--seed", "1"], cwd=tmp_path)
+    result = run_vllm(
+        vllm_python,
+        [
+            "grpo.py",
+            "--vllm",
+            "--num-steps",
+            "20",
+            "--eval-every",
+            "20",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "learn",
+            "--seed",
+            "1",
+        ],
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-5000:]
     evals = [m for m in read_metrics(tmp_path / "learn") if "eval/accuracy" in m]
     start, end = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
@@ -153,9 +184,28 @@ def test_grpo_learns_the_default_task_with_vllm(vllm_python, tmp_path):
 
 @pytest.mark.parametrize("algo", ALGORITHMS)
 def test_every_file_runs_with_vllm(vllm_python, tmp_path, algo):
-    result = run_vllm(vllm_python, [f"{algo}.py", "--vllm", "--num-steps", "2", "--eval-every", "2",
-                                    "--eval-size", "50", "--prompts-per-step", "8", "--group-size", "4",
-                                    "--output-dir", str(tmp_path), "--run-name", "r"], cwd=tmp_path)
+    result = run_vllm(
+        vllm_python,
+        [
+            f"{algo}.py",
+            "--vllm",
+            "--num-steps",
+            "2",
+            "--eval-every",
+            "2",
+            "--eval-size",
+            "50",
+            "--prompts-per-step",
+            "8",
+            "--group-size",
+            "4",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "r",
+        ],
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-5000:]
     metrics = read_metrics(tmp_path / "r")
     assert [m["step"] for m in metrics] == [0, 1, 2]
@@ -171,9 +221,31 @@ def test_two_ranks_each_with_its_engine(vllm_python, tmp_path, task, sharding):
     vLLM samples each turn (token ids in, token ids and log-probs out), the policy's tokens' log-probs are the
     trainer's (the gap; an observation's are 0 and masked), and the two ranks' engines run as many turns
     whatever their episodes do (no rank waits)."""
-    result = run_vllm(vllm_python, ["grpo.py", "--vllm", *FIVE_STEPS[:2], "--eval-every", "2", "--eval-size", "50",
-                                    "--prompts-per-step", "8", "--group-size", "4", "--output-dir", str(tmp_path),
-                                    "--run-name", "r", "--task", task, *sharding], cwd=tmp_path, torchrun=2)
+    result = run_vllm(
+        vllm_python,
+        [
+            "grpo.py",
+            "--vllm",
+            *FIVE_STEPS[:2],
+            "--eval-every",
+            "2",
+            "--eval-size",
+            "50",
+            "--prompts-per-step",
+            "8",
+            "--group-size",
+            "4",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "r",
+            "--task",
+            task,
+            *sharding,
+        ],
+        cwd=tmp_path,
+        torchrun=2,
+    )
     assert result.returncode == 0, result.stderr[-5000:]
     metrics = read_metrics(tmp_path / "r")
     for m in metrics[:-1]:
@@ -188,10 +260,32 @@ def test_a_model_without_a_pad_token(vllm_python, tmp_path, fixed_length_dataset
     from test_runs import tiny_llama_without_pad_token
 
     tiny_llama_without_pad_token(tmp_path / "llama", hidden_size=64)
-    result = run_vllm(vllm_python, ["grpo.py", "--vllm", "--model", str(tmp_path / "llama"), "--dataset",
-                                    str(fixed_length_dataset), "--eval-size", "8", "--eval-every", "1", "--num-steps",
-                                    "2", "--prompts-per-step", "4", "--group-size", "4", "--output-dir", str(tmp_path),
-                                    "--run-name", "r"], cwd=tmp_path)
+    result = run_vllm(
+        vllm_python,
+        [
+            "grpo.py",
+            "--vllm",
+            "--model",
+            str(tmp_path / "llama"),
+            "--dataset",
+            str(fixed_length_dataset),
+            "--eval-size",
+            "8",
+            "--eval-every",
+            "1",
+            "--num-steps",
+            "2",
+            "--prompts-per-step",
+            "4",
+            "--group-size",
+            "4",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "r",
+        ],
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-5000:]
     for m in read_metrics(tmp_path / "r")[:2]:
         assert m["policy/sampler_logprob_gap_max"] <= GAP, m
@@ -212,8 +306,21 @@ def test_the_gpu_check_runs_on_a_cpu(vllm_python, tmp_path):
 def test_lora_adapters_merged_into_the_engine(vllm_python, tmp_path):
     """With --lora-rank the engine gets each adapted weight merged (W + scale B A) under its plain name: it
     samples from the adapted policy, as the gap shows while the adapters train."""
-    result = run_vllm(vllm_python, ["grpo.py", "--vllm", "--lora-rank", "8", "--learning-rate", "2e-3", *FIVE_STEPS,
-                                    "--output-dir", str(tmp_path)], cwd=tmp_path)
+    result = run_vllm(
+        vllm_python,
+        [
+            "grpo.py",
+            "--vllm",
+            "--lora-rank",
+            "8",
+            "--learning-rate",
+            "2e-3",
+            *FIVE_STEPS,
+            "--output-dir",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-5000:]
     metrics = read_metrics(tmp_path / "r")
     for m in metrics:

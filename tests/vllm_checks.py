@@ -24,15 +24,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import (  # noqa: E402 (after the path)
-    DEFAULT_MODEL,
-    format_prompt,
-    generate,
-    get_logprobs,
-    load_model,
-    load_tokenizer,
-    unwrap,
-)
+from common import format_prompt, generate, get_logprobs, unwrap  # noqa: E402
+from harness import DEFAULT_MODEL, load_model, load_tokenizer, plain_weights  # noqa: E402
 from vllm_engine import VllmEngine  # noqa: E402
 
 
@@ -41,8 +34,9 @@ def gap(engine: VllmEngine, model, tokenizer, prompts: list[str], push: bool) ->
     the weights (else with the engine as it is)."""
     engine.stale = push
     rollout = generate(model, tokenizer, prompts, 4, 8, 1.0, vllm=engine)
-    trainer, _ = get_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_length, 1.0,
-                              entropy=False)
+    trainer, _ = get_logprobs(
+        model, rollout.input_ids, rollout.attention_mask, rollout.prompt_length, 1.0, entropy=False
+    )
     return ((trainer - rollout.sampler_logprobs).abs() * rollout.response_mask).max().item()
 
 
@@ -61,7 +55,7 @@ def tied_head() -> dict:
     assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
     prompts = [format_prompt(tokenizer, p, True) for p in ("1+2", "45+67", "99+9")]
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    engine = VllmEngine(DEFAULT_MODEL, "float32", 0, optimizer)
+    engine = VllmEngine(DEFAULT_MODEL, torch.float32, 0, optimizer, plain_weights)
     out = {"before": gap(engine, model, tokenizer, prompts, push=True)}
     change(model, optimizer)
     without_head = [(k, v) for k, v in unwrap(model).state_dict().items() if k != "lm_head.weight"]
@@ -86,7 +80,7 @@ def prefix_cache(folder: str) -> dict:
     prompts = ["+".join(str(i) for i in range(k, k + 100)) for k in (1, 7)]
     assert min(len(tokenizer(p).input_ids) for p in prompts) > 2 * 128  # two KV blocks of vLLM's CPU backend
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    engine = VllmEngine(folder, "float32", 0, optimizer)
+    engine = VllmEngine(folder, torch.float32, 0, optimizer, plain_weights)
     out = {"before": gap(engine, model, tokenizer, prompts, push=True)}  # the prompts' blocks are cached
     change(model, optimizer)
     engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(model.state_dict().items())})
@@ -97,7 +91,7 @@ def prefix_cache(folder: str) -> dict:
 
 def stale(flags: list[str]) -> dict:
     import grpo
-    from common import cli
+    from harness import cli
 
     real, pushes = VllmEngine.push, []
 
@@ -114,7 +108,7 @@ def stale(flags: list[str]) -> dict:
 def release() -> dict:
     tokenizer = load_tokenizer(DEFAULT_MODEL)
     model = load_model(DEFAULT_MODEL, "float32", torch.device("cpu"), tokenizer)
-    engine = VllmEngine(DEFAULT_MODEL, "float32", 0, torch.optim.SGD(model.parameters(), lr=0.0))
+    engine = VllmEngine(DEFAULT_MODEL, torch.float32, 0, torch.optim.SGD(model.parameters(), lr=0.0), plain_weights)
     prompts = [format_prompt(tokenizer, "1+2", True)]
     out = {}
     generate(model, tokenizer, prompts, 2, 8, 1.0, vllm=engine)
@@ -134,7 +128,7 @@ def release() -> dict:
 
 
 def pushes(algo: str, flags: list[str]) -> dict:
-    from common import cli
+    from harness import cli
 
     events, real_push, real_generate = [], VllmEngine.push, VllmEngine.generate
 
@@ -157,7 +151,7 @@ def stop() -> dict:
     """Greedy responses of 12 prompts from the engine, without and with the stop string '1'."""
     tokenizer = load_tokenizer(DEFAULT_MODEL)
     model = load_model(DEFAULT_MODEL, "float32", torch.device("cpu"), tokenizer)
-    engine = VllmEngine(DEFAULT_MODEL, "float32", 0, torch.optim.SGD(model.parameters(), lr=0.0))
+    engine = VllmEngine(DEFAULT_MODEL, torch.float32, 0, torch.optim.SGD(model.parameters(), lr=0.0), plain_weights)
     prompts = [tokenizer(format_prompt(tokenizer, f"{a}+{a + 7}", True)).input_ids for a in range(10, 130, 10)]
     whole, _ = engine.generate(model, tokenizer, prompts, 1, 8, 1.0, greedy=True)
     stopped, _ = engine.generate(model, tokenizer, prompts, 1, 8, 1.0, greedy=True, stop=["1"])
@@ -166,7 +160,12 @@ def stop() -> dict:
 
 if __name__ == "__main__":
     check, out_file, *rest = sys.argv[1:]
-    result = {"tied-head": lambda: tied_head(), "prefix-cache": lambda: prefix_cache(*rest),
-              "stale": lambda: stale(rest), "release": release, "stop": stop,
-              "pushes": lambda: pushes(rest[0], rest[1:])}[check]()
+    result = {
+        "tied-head": lambda: tied_head(),
+        "prefix-cache": lambda: prefix_cache(*rest),
+        "stale": lambda: stale(rest),
+        "release": release,
+        "stop": stop,
+        "pushes": lambda: pushes(rest[0], rest[1:]),
+    }[check]()
     Path(out_file).write_text(json.dumps(result))

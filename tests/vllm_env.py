@@ -41,9 +41,11 @@ def build() -> str:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when the process dies
         if not (venv / "complete").exists():  # absent, or a build that was interrupted
             shutil.rmtree(venv, ignore_errors=True)
-            steps = [[sys.executable, "-m", "venv", str(venv)],
-                     [str(python), "-m", "pip", "install", "-q", "-r", str(REQUIREMENTS)],
-                     [str(python), "-m", "pip", "uninstall", "-q", "-y", *CUDA_ONLY]]
+            steps = [
+                [sys.executable, "-m", "venv", str(venv)],
+                [str(python), "-m", "pip", "install", "-q", "-r", str(REQUIREMENTS)],
+                [str(python), "-m", "pip", "uninstall", "-q", "-y", *CUDA_ONLY],
+            ]
             for step in steps:
                 result = subprocess.run(step, capture_output=True, text=True, timeout=1800)
                 if result.returncode != 0:
