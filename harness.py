@@ -819,6 +819,12 @@ def load_object(spec: str, flag: str, kind: str):
     module_name, _, fn_name = spec.rpartition(":")
     if not module_name or not fn_name:
         raise UsageError(f"{flag} {spec!r}: expected 'module:{kind}' or 'file.py:{kind}'.")
+    ours = getattr(sys.modules.get(module_name.partition(".")[0]), "__file__", None)  # e.g. this project's harness
+    if not module_name.endswith(".py") and ours and Path(ours).resolve().parent == HERE:  # a user's file of that name
+        raise UsageError(
+            f"{flag} {spec!r}: {module_name!r} is a module of this project; pass your file as "
+            f"path/to/{module_name}.py:{fn_name}, or rename it."
+        )
     sys.path.insert(0, os.getcwd())  # for this import only: found from the working directory first
     try:
         if module_name.endswith(".py"):
@@ -831,7 +837,8 @@ def load_object(spec: str, flag: str, kind: str):
         raise UsageError(f"{flag} {spec!r}: cannot import {module_name!r} ({type(e).__name__}: {e}).") from None
     finally:
         sys.path.remove(os.getcwd())
-    if not callable(fn := getattr(module, fn_name, None)):
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
         raise UsageError(f"{flag} {spec!r}: {module_name!r} has no {kind} {fn_name!r}.")
     return fn
 

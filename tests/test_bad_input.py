@@ -35,6 +35,12 @@ AT_START_UP = [
     ("a negative `--learning-rate`", ["--learning-rate", "-1e-4"], "--learning-rate -0.0001: must be > 0"),
     ("`--learning-rate inf`", ["--learning-rate", "inf"], "--learning-rate inf: must be a finite number"),
     ("`--target-kl nan` (ppo.py)", ["ppo.py", "--target-kl", "nan"], "--target-kl nan: must be a finite number"),
+    ("`--beta inf`", ["--beta", "inf"], "--beta inf: must be a finite number"),
+    (
+        "`--no-eos-score inf` (ppo.py)",
+        ["ppo.py", "--no-eos-score", "inf"],
+        "--no-eos-score inf: must be a finite number",
+    ),
     ("`--num-steps 0`", ["--num-steps", "0"], "--num-steps 0: must be >= 1 (0 would save the untrained model"),
     ("a negative `--num-steps`", ["--num-steps", "-3"], "--num-steps -3: must be >= 1"),
     ("`--eval-size -5`", ["--eval-size", "-5"], "--eval-size -5: must be >= 0"),

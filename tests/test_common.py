@@ -425,6 +425,18 @@ def test_a_reward_module_is_imported_from_the_working_directory_and_sys_path_is_
     assert fn(["p"], ["c"], ["a"]) == [1.0] and sys.path == before
 
 
+@pytest.mark.parametrize("name", ["common", "harness"])
+def test_a_users_module_with_the_name_of_one_of_this_projects_is_named_not_shadowed(tmp_path, monkeypatch, name):
+    """A user's common.py or harness.py in the working directory is shadowed by this project's module of that name
+    (imported already): `name:fn` would be looked up in ours. It stops, saying to pass the file's path, which works."""
+    (tmp_path / f"{name}.py").write_text("def mine(prompts, completions, answers):\n    return [0.0]\n")
+    monkeypatch.chdir(tmp_path)
+    message = f"'{name}' is a module of this project; pass your file as path/to/{name}.py:mine"
+    with pytest.raises(UsageError, match=message):
+        load_object(f"{name}:mine", "--reward-fn", "function")
+    assert load_object(f"{tmp_path / name}.py:mine", "--reward-fn", "function")(["p"], ["c"], ["a"]) == [0.0]
+
+
 def test_importing_the_plumbing_changes_nothing_outside_it():
     """No import-time side effects: transformers' progress bars and sys.path are as they were."""
     child = (
