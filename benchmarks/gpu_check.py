@@ -18,13 +18,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 import tyro
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from benchmarks import as_flags
 from benchmarks.lockstep import ROOT, UPDATES_PER_ROLLOUT, Shape, compare, print_comparison, save_with_offline_tokenizer
 from benchmarks.memory_fit import SHAPES as MODEL_SHAPES
 from benchmarks.memory_fit import Shape as ModelShape
@@ -44,6 +45,10 @@ SHAPES = {
     "1.5b": MODEL_SHAPES["Qwen2.5-1.5B"],
     "tiny": ModelShape("tiny", 2, 64, 128, 2, 1, tied=True),
 }
+# --device-check: a configuration that runs on a CPU in about a minute (the tests')
+DEVICE_CHECK = dict(
+    shapes=["tiny"], prompts=2, group_size=2, prompt_length=40, new_tokens=8, micro_batch_size=4, rounds=1
+)
 
 
 def qwen_config(s: ModelShape) -> Qwen2Config:
@@ -116,42 +121,25 @@ def dataset(folder: Path, args: Args) -> None:
     tokenizer = load_tokenizer(str(folder / "model"))
     template = len(tokenizer(format_prompt(tokenizer, "", True), add_special_tokens=False).input_ids)
     generator = torch.Generator().manual_seed(0)
-    rows = [
-        {
-            "prompt": "".join(
-                map(str, torch.randint(10, (args.prompt_length - template,), generator=generator).tolist())
-            ),
-            "answer": "1",
-        }
-        for _ in range(4 * args.prompts)
-    ]
+    digits = [torch.randint(10, (args.prompt_length - template,), generator=generator) for _ in range(4 * args.prompts)]
+    rows = [{"prompt": "".join(map(str, prompt.tolist())), "answer": "1"} for prompt in digits]
     (folder / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
 def grpo_rounds(folder: Path, args: Args, config, name: str) -> dict:
     """grpo.py's figures for --rounds rounds after a warm-up with sampler `name`, from its metrics.jsonl."""
-    command = [
-        sys.executable,
-        str(ROOT / "grpo.py"),
-        "--model",
-        str(folder / "model"),
-        "--dataset",
-        str(folder / "prompts.jsonl"),
-        "--eval-every",
-        "0",
-        "--eval-size",
-        "0",
-        "--num-steps",
-        str(1 + args.rounds),
-        "--learning-rate",
-        "1e-6",
-        "--output-dir",
-        str(folder / "runs"),
-        "--run-name",
-        name,
-        *SAMPLERS[name],
-        *Shape(args.prompts, args.group_size, args.new_tokens, args.micro_batch_size).flags(),
-    ]
+    options = {
+        "model": folder / "model",
+        "dataset": folder / "prompts.jsonl",
+        "eval_every": 0,
+        "eval_size": 0,
+        "num_steps": 1 + args.rounds,
+        "learning_rate": "1e-6",
+        "output_dir": folder / "runs",
+        "run_name": name,
+    }
+    batch = Shape(args.prompts, args.group_size, args.new_tokens, args.micro_batch_size)
+    command = [sys.executable, str(ROOT / "grpo.py"), *as_flags(options), *SAMPLERS[name], *batch.flags()]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"error: grpo.py {' '.join(SAMPLERS[name])} failed:\n{result.stderr[-3000:]}")
@@ -177,15 +165,7 @@ def grpo_rounds(folder: Path, args: Args, config, name: str) -> dict:
 
 def main(args: Args) -> None:
     if args.device_check:
-        (
-            args.shapes,
-            args.prompts,
-            args.group_size,
-            args.prompt_length,
-            args.new_tokens,
-            args.micro_batch_size,
-            args.rounds,
-        ) = ["tiny"], 2, 2, 40, 8, 4, 1
+        args = replace(args, **DEVICE_CHECK)
     has_vllm, gpu = importlib.util.find_spec("vllm") is not None, torch.cuda.is_available()
     device = "GPU " + torch.cuda.get_device_name() if gpu else "CPU"
     print(

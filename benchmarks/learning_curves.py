@@ -38,6 +38,8 @@ from typing import Literal, Optional
 
 import tyro
 
+from benchmarks import as_flags
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ["grpo", "dapo", "cispo", "gvpo", "ppo", "drgrpo", "gspo", "rloo", "sapo", "dppo"]
 # The lab's variants (docs/lab.md says what each one probes)
@@ -128,22 +130,8 @@ def run(config: str, seed: int, steps: int, eval_every: int, extra: list[str], o
         if changes
         else [str(ROOT / f"{file}.py")]
     )
-    cmd = [
-        sys.executable,
-        *script,
-        *flags,
-        "--seed",
-        str(seed),
-        "--num-steps",
-        str(steps),
-        "--eval-every",
-        str(eval_every),
-        "--output-dir",
-        str(out),
-        "--run-name",
-        name,
-        *extra,
-    ]
+    options = {"seed": seed, "num_steps": steps, "eval_every": eval_every, "output_dir": out, "run_name": name}
+    cmd = [sys.executable, *script, *flags, *as_flags(options), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     if result.returncode != 0:

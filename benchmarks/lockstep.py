@@ -41,6 +41,8 @@ from typing import Literal, Optional
 
 import tyro
 
+from benchmarks import as_flags
+
 # Nothing of the project is imported at the top: a worker imports the algorithm file of its own checkout.
 ROOT = Path(__file__).resolve().parent.parent
 UPDATES_PER_ROLLOUT, BETA = 2, 0.04  # grpo.py's defaults
@@ -281,12 +283,7 @@ class Shape:
     learning_rate: float = 2e-4  # grpo.py's default; 1e-7 for varied: its lengths must stay as they are
 
     def flags(self) -> list[str]:
-        return [
-            f
-            for key, value in asdict(self).items()
-            if value is not None
-            for f in (f"--{key.replace('_', '-')}", str(value))
-        ]
+        return as_flags(asdict(self))
 
 
 SHAPES = {
@@ -318,20 +315,14 @@ def compare(
         raise SystemExit("error: the comparison with TRL needs trl: pip install -r benchmarks/requirements.txt")
     if against != "trl" and not (Path(against) / f"{file}.py").exists():
         raise SystemExit(f"error: --against {against}: neither 'trl' nor a folder with {file}.py")
-    flags = [
-        "--model",
-        model,
-        "--seed",
-        str(seed),
-        "--eval-every",
-        "0",
-        "--output-dir",
-        output_dir,
-        "--num-steps",
-        str(warmup + rounds + 1),
-        *shape.flags(),
-        *flags,
-    ]
+    options = {
+        "model": model,
+        "seed": seed,
+        "eval_every": 0,
+        "output_dir": output_dir,
+        "num_steps": warmup + rounds + 1,
+    }
+    flags = [*as_flags(options), *shape.flags(), *flags]
     this = Worker(f"{file}.py", file_worker, str(ROOT), file, [*flags, *this_flags, "--run-name", "this"])
     other = (
         Worker("TRL", trl_worker, model, shape, warmup + rounds, seed, trl_vllm)
