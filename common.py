@@ -6,7 +6,8 @@ episodes are episodes.py and the vLLM engine vllm_engine.py, objects this module
 
 1. Distributed: `print0`, `all_reduce`, `all_reduce_mean`, `add_metrics`, `no_sync`, `unwrap`
 2. Prompts: `format_prompt` (the chat template, a prefill continued), `prompt_batch` (this rank's share of a step)
-3. Generation: `Rollout`, `generate` (`sample_hf`, or the engine or environment given), `cat_rollouts`, `select_rows`
+3. Generation: `Rollout`, `generate` (`sample_hf`, or the engine or environment given), `cat_rollouts`, `select_rows`;
+   `SamplerWeights` (the weights that sample, K steps behind with --off-policy-steps)
 4. Rewards and evaluation: `score` (correctness as text or by `math_reward`; format; a user's function), `evaluate`
 5. Log-probs and micro-batches: `get_logprobs`, `rollout_logprobs`, `micro_batches` (by a token budget)
 6. Rollout correction: `rollout_weights`, `reweighted`, `sampler_logprob_gap`
@@ -32,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 from transformers import GenerationConfig, LogitsProcessor
@@ -203,6 +205,54 @@ def select_rows(rollout: Rollout, rows: torch.Tensor) -> Rollout:
             value = [value[i] for i in rows.tolist()]
         selected[key] = value  # prompt_length, and None
     return Rollout(**selected)
+
+
+class SamplerWeights:
+    """The weights that sample step t's rollout with --off-policy-steps K: the policy's after step t-K, the initial ones
+    for t <= K, as an asynchronous trainer's sampler runs K optimizer steps behind (K = 0: the policy as it is, nothing
+    kept or copied). The trained tensors of the latest K versions stay on the host in their own dtype (float32: 4
+    bytes a parameter; FSDP: each rank its shards; LoRA: the adapters), in `state`, so checkpoints carry them;
+    `behind(step)` puts the due version into `model` for its block (FSDP: resharded, so that no gathered copy of
+    the other weights is used; vLLM's engine: pushed at its next call), then the current one back. A sampler on
+    other devices would take its weights from these versions; nothing after generation changes."""
+
+    def __init__(self, model, steps: int, state: dict, vllm=None):
+        self.model, self.steps, self.vllm = model, steps, vllm
+        self.trained = [p for p in model.parameters() if p.requires_grad]
+        self.versions = state.setdefault("sampler_weights", []) if steps else []  # oldest first
+        self.versions[:] = [[t.cpu() for t in version] for version in self.versions]  # a resume puts them on the GPU
+        self.step, self.due, self.steps_behind = None, None, 0
+
+    @staticmethod
+    def local(p: torch.Tensor) -> torch.Tensor:
+        return p.to_local() if isinstance(p, DTensor) else p  # FSDP: this rank's shard
+
+    def load(self, version: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for p, saved in zip(self.trained, version):
+                self.local(p).copy_(saved)
+        for module in self.model.modules():  # FSDP keeps the root's gathered weights after a forward without backward
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        if self.vllm is not None:
+            self.vllm.stale = True
+
+    @contextlib.contextmanager
+    def behind(self, step: int):
+        if self.steps and self.step != step:  # once a step (DAPO samples in rounds): the weights now, after step t-1
+            del self.versions[: max(len(self.versions) - self.steps, 0)]  # (resumed with a smaller K: the newest K)
+            self.versions.append([self.local(p).detach().to("cpu", copy=True) for p in self.trained])
+            self.due, self.steps_behind, self.step = self.versions[0], len(self.versions) - 1, step
+            if len(self.versions) > self.steps:  # the next step's are the newest K
+                self.versions.pop(0)
+        if self.steps_behind == 0:
+            yield
+            return
+        self.load(self.due)
+        try:
+            yield
+        finally:
+            self.load(self.versions[-1])
 
 
 class Sampler(LogitsProcessor):
@@ -775,25 +825,38 @@ def sampler_logprob_gap(
     correction: str = "none",
     cap: float = 2.0,
 ) -> dict[str, torch.Tensor]:
-    """How far the trainer's log-probs (B, L) are from the sampler's over every rank: mean |difference| (~1e-6 in fp32)
-    and max; with a `correction` its mean weight and the shares of tokens and completions it truncated or masked."""
+    """How far the trainer's log-probs (B, L) are from the sampler's over every rank: mean |difference| (~1e-6 in fp32),
+    max, and the effective sample size of the token ratios w_t = pi_old / pi_sampler (1 when all are equal; a share of
+    the tokens: ESS = (sum w)^2 / (n sum w^2)); with a `correction` its weights' mean and ESS, and the shares of tokens
+    and completions it truncated or masked."""
     mask = response_mask.bool()
     difference = torch.where(mask, (sampler_logprobs - logprobs).abs(), 0.0).double()  # (B, L)
-    sums = [difference.sum(), mask.sum().double()]
+    ratio = rollout_weights(logprobs, sampler_logprobs, response_mask, "tis", math.inf).double() * mask  # (B, L) w_t
+    sums = [difference.sum(), mask.sum().double(), ratio.sum(), (ratio**2).sum()]
     weights = rollout_weights(logprobs, sampler_logprobs, response_mask, correction, cap)
     if weights is not None:
         changed = (weights < rollout_weights(logprobs, sampler_logprobs, response_mask, correction, math.inf)) & mask
-        sums += [(weights * mask).sum(), changed.sum(), changed.any(-1).sum(), mask.any(-1).sum()]
+        weights = weights.double() * mask
+        sums += [weights.sum(), (weights**2).sum(), changed.sum(), changed.any(-1).sum(), mask.any(-1).sum()]
     total = all_reduce(torch.stack([x.double() for x in sums]))
     largest = all_reduce(difference.max() if difference.numel() else difference.new_zeros(()), "max")
     tokens = total[1].clamp(min=1)
-    metrics = {"policy/sampler_logprob_gap": total[0] / tokens, "policy/sampler_logprob_gap_max": largest}
+
+    def ess(weight_sum: torch.Tensor, square_sum: torch.Tensor) -> torch.Tensor:  # (sum w)^2 / (n sum w^2), in (0, 1]
+        return weight_sum**2 / (tokens * square_sum).clamp(min=1e-300)
+
+    metrics = {
+        "policy/sampler_logprob_gap": total[0] / tokens,
+        "policy/sampler_logprob_gap_max": largest,
+        "policy/sampler_ratio_ess": ess(total[2], total[3]),  # of w_t = pi_old / pi_sampler, before any correction
+    }
     if weights is not None:
         changed = "truncated" if correction.endswith("tis") else "masked"
         metrics |= {
-            "policy/correction_weight_mean": total[2] / tokens,
-            f"policy/correction_{changed}_frac": total[3] / tokens,
-            f"policy/correction_{changed}_seq_frac": total[4] / total[5].clamp(min=1),
+            "policy/correction_weight_mean": total[4] / tokens,
+            "policy/correction_ess": ess(total[4], total[5]),
+            f"policy/correction_{changed}_frac": total[6] / tokens,
+            f"policy/correction_{changed}_seq_frac": total[7] / total[8].clamp(min=1),
         }
     return metrics
 

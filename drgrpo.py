@@ -22,6 +22,10 @@ Differences from grpo.py:
   as TRL's loss_type="dr_grpo", instead of a mean per sequence then over sequences.
 - --beta defaults to 0 (the paper's): no KL term, and no reference model is loaded.
 
+Off-policy (--off-policy-steps K, rollouts sampled K steps behind): --anchor recompute clips r around the policy at
+the update's start, --rollout-correction weighing each token by pi_old / pi_sampler (AReaL's decoupled PPO); --anchor
+behaviour clips r = pi_theta / pi_sampler, the trust region centred on the stale sampler (verl's bypass mode).
+
 Run:
     python drgrpo.py                                        # offline default: tiny model, a+b task, CPU
     torchrun --standalone --nproc_per_node=2 drgrpo.py      # data-parallel (gloo on CPU, nccl on GPU)
@@ -40,6 +44,7 @@ import tyro
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import (
+    SamplerWeights,
     UsageError,
     add_metrics,
     all_reduce,
@@ -187,6 +192,14 @@ class RolloutFlags:
     each of its tokens; geo-mis: seq-mis with the geometric mean of w; auto: tis with --vllm, else none"""
     correction_cap: float = 2.0
     """C of --rollout-correction"""
+    off_policy_steps: int = 0
+    """K: sample each step's rollout with the policy's weights of K steps before (the initial ones for the first K), as
+    an asynchronous trainer's sampler lags behind; the latest K are kept on the host and in checkpoints (4 bytes a
+    trained parameter each); 0: with the policy as it is"""
+    anchor: Literal["recompute", "behaviour"] = "recompute"
+    """pi_old of the loss: recompute (the policy at the update's start, a forward pass; --rollout-correction weighs
+    pi_old / pi_sampler: AReaL's decoupled loss) or behaviour (the sampler's log-probs, no pass: the ratio and its clip
+    act on pi_theta / pi_sampler, as verl's bypass mode, prime-rl and TRL's AsyncGRPO)"""
 
 
 @dataclass
@@ -356,6 +369,8 @@ def main(args: Args) -> None:
     # The sampler: model.generate, or a vLLM engine on this rank's device, which gets the policy's weights at its
     # first call after an optimizer step (a hook on `optimizer`)
     vllm = load_vllm(args, rank, optimizer)
+    # The weights that sample: the policy's, or with --off-policy-steps K those of K steps before (kept in `state`)
+    sampler_weights = SamplerWeights(policy, args.off_policy_steps, state, vllm)
     claim_run_dir(run_dir, resume_dir, rank)  # created and locked: from here on this run writes there
     logger = Logger(run_dir, asdict(args), rank, args.track, args.num_steps)
     print0(f"{args.prompts_per_step} prompts x {args.group_size} completions per step on {args.world_size} rank(s)")
@@ -368,7 +383,7 @@ def main(args: Args) -> None:
         # --- algorithm: 1-3. one group of G completions for each of the step's prompts, scored ---
         batch = prompt_batch(task.train, step, args.prompts_per_step, rank, args.world_size, args.seed)  # this rank's
         prompts = [format_prompt(tokenizer, e["prompt"], args.chat_template) for e in batch]
-        with timed(times, "gen"):  # stored contiguously by group: rows j*G .. j*G+G-1
+        with timed(times, "gen"), sampler_weights.behind(step):  # stored contiguously by group: rows j*G .. j*G+G-1
             rollout = generate(
                 policy,
                 tokenizer,
@@ -398,12 +413,15 @@ def main(args: Args) -> None:
         b_ids, b_attention_mask = b_rollout.input_ids, b_rollout.attention_mask  # (B, P+T)
         b_response_mask = b_rollout.response_mask  # (B, T): 1 on the response tokens, EOS included
 
-        # 5. old log-probs by the training model (the ratio starts at 1); with one step per pass, pass 1 gives them
+        # 5. old log-probs by the training model (the ratio starts at 1; with one step per pass, pass 1 gives them), or
+        # the sampler's (--anchor behaviour)
         # --- algorithm: nothing needs the old log-probs before the update ---
         old_in_pass_1 = args.num_minibatches == 1
         # ---
         with timed(times, "logprobs"):
-            if old_in_pass_1:
+            if args.anchor == "behaviour":  # pi_old is the behaviour policy: the log-probs its sampler drew with
+                b_old_logprobs = b_rollout.sampler_logprobs
+            elif old_in_pass_1:
                 b_old_logprobs = torch.zeros_like(b_response_mask)  # (B, T), filled in by pass 1
             else:
                 b_old_logprobs = rollout_logprobs(
@@ -457,7 +475,7 @@ def main(args: Args) -> None:
                         logprobs, entropy = get_logprobs(
                             model, b_ids[idx], b_attention_mask[idx], b_rollout.prompt_length, args.temperature
                         )
-                        if old_in_pass_1 and epoch == 0:  # the weights before this rollout's first step: pi_old
+                        if old_in_pass_1 and epoch == 0 and args.anchor == "recompute":  # the weights before the update
                             b_old_logprobs[idx] = logprobs.detach()
                         # The rollout correction: each token's loss weighted by pi_old / pi_sampler (None: off)
                         weights = rollout_weights(
@@ -506,6 +524,7 @@ def main(args: Args) -> None:
 
         # 7. log, evaluate, checkpoint
         metrics.update(update_metrics)
+        metrics["policy/off_policy_steps"] = sampler_weights.steps_behind  # how old the sampler's weights were
         logger.log(step, {**metrics, **step_metrics(rewards, components, rollout, times, step_start)})
         if args.save_every and (step + 1) % args.save_every == 0:
             save_checkpoint(

@@ -106,6 +106,7 @@ FLAG_RULES = [
     ("keep_checkpoints", lambda v: v >= 0, ">= 0 (0: keep all)"),
     ("max_prompt_length", lambda v: v is None or v >= 1, ">= 1 (or left out: as long as the model allows)"),
     ("correction_cap", lambda v: v >= 1, ">= 1 (pi_old / pi_sampler is 1 where the two agree)"),
+    ("off_policy_steps", lambda v: v >= 0, ">= 0 (0: each rollout sampled by the policy as it is)"),
     ("lora_rank", lambda v: v >= 0, ">= 0 (0: full fine-tuning)"),
     ("lora_alpha", lambda v: v > 0, "> 0 (the adapters' scale is alpha / rank)"),
     ("vllm_gpu_memory", lambda v: 0 < v <= 1, "in (0, 1] (a fraction of the GPU's memory)"),
@@ -169,7 +170,13 @@ def check_flags(args) -> None:
             "(pass --output-dir for another place)."
         )
     if args.rollout_correction == "auto":  # another engine's numerics differ from the trainer's
-        args.rollout_correction = "tis" if args.vllm else "none"
+        args.rollout_correction = "tis" if args.vllm and args.anchor == "recompute" else "none"
+    if args.anchor == "behaviour" and args.rollout_correction != "none":
+        raise UsageError(
+            f"--rollout-correction {args.rollout_correction} weighs each token by pi_old / pi_sampler, which is 1 with "
+            "--anchor behaviour (pi_old is the sampler's): pass --anchor recompute for the correction (AReaL's "
+            "decoupled loss), or --rollout-correction none."
+        )
     args.world_size = int(os.environ.get("WORLD_SIZE", 1))  # as setup_distributed reads it
     if args.fsdp and args.world_size < 2:
         raise UsageError("--fsdp shards the model over ranks: launch with torchrun --nproc_per_node=2 or more.")

@@ -23,6 +23,11 @@ Differences from grpo.py:
 - --reward-model scores completions instead of the rule; a completion without EOS scores --no-eos-score;
 - token-mean over the optimizer step instead of per-sequence mean then mean.
 
+Off-policy (--off-policy-steps K, rollouts sampled K steps behind): --anchor recompute clips r around the policy at
+the update's start and takes the KL reward's log pi_old from it, --rollout-correction weighing pi_old / pi_sampler
+(AReaL's decoupled PPO); --anchor behaviour takes both from the sampler (verl's bypass mode). Values and GAE: as
+on-policy.
+
 Run:
     python ppo.py                                           # offline default: tiny model, a+b task, CPU
     torchrun --standalone --nproc_per_node=2 ppo.py         # data-parallel (gloo on CPU, nccl on GPU)
@@ -44,6 +49,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoModel, AutoModelForSequenceClassification
 
 from common import (
+    SamplerWeights,
     UsageError,
     add_metrics,
     all_reduce,
@@ -193,6 +199,14 @@ class RolloutFlags:
     each of its tokens; geo-mis: seq-mis with the geometric mean of w; auto: tis with --vllm, else none"""
     correction_cap: float = 2.0
     """C of --rollout-correction"""
+    off_policy_steps: int = 0
+    """K: sample each step's rollout with the policy's weights of K steps before (the initial ones for the first K), as
+    an asynchronous trainer's sampler lags behind; the latest K are kept on the host and in checkpoints (4 bytes a
+    trained parameter each); 0: with the policy as it is"""
+    anchor: Literal["recompute", "behaviour"] = "recompute"
+    """pi_old of the loss: recompute (the policy at the update's start, a forward pass; --rollout-correction weighs
+    pi_old / pi_sampler: AReaL's decoupled loss) or behaviour (the sampler's log-probs, no pass: the ratio and its clip
+    act on pi_theta / pi_sampler, as verl's bypass mode, prime-rl and TRL's AsyncGRPO)"""
 
 
 @dataclass
@@ -579,6 +593,8 @@ def main(args: Args) -> None:
     # The sampler: model.generate, or a vLLM engine on this rank's device, which gets the policy's weights at its
     # first call after an optimizer step (a hook on `optimizer`)
     vllm = load_vllm(args, rank, optimizer)
+    # The weights that sample: the policy's, or with --off-policy-steps K those of K steps before (kept in `state`)
+    sampler_weights = SamplerWeights(policy, args.off_policy_steps, state, vllm)
     # --- algorithm: the critic, as the update calls it ---
     critic_model = wrapped["critic"]
     # ---
@@ -595,7 +611,7 @@ def main(args: Args) -> None:
         # reward or by the reward model (the rule's parts are still logged)
         batch = prompt_batch(task.train, step, args.prompts_per_step, rank, args.world_size, args.seed)  # this rank's
         prompts = [format_prompt(tokenizer, e["prompt"], args.chat_template) for e in batch]
-        with timed(times, "gen"):  # stored contiguously by group: rows j*G .. j*G+G-1
+        with timed(times, "gen"), sampler_weights.behind(step):  # stored contiguously by group: rows j*G .. j*G+G-1
             rollout = generate(
                 policy,
                 tokenizer,
@@ -633,12 +649,15 @@ def main(args: Args) -> None:
         b_ids, b_attention_mask = b_rollout.input_ids, b_rollout.attention_mask  # (B, P+T)
         b_response_mask = b_rollout.response_mask  # (B, T): 1 on the response tokens, EOS included
 
-        # 5. old log-probs by the training model (the ratio starts at 1); with one step per pass, pass 1 gives them
+        # 5. old log-probs by the training model (the ratio starts at 1; with one step per pass, pass 1 gives them), or
+        # the sampler's (--anchor behaviour)
         # --- algorithm: the KL reward needs the old log-probs before the update; nothing else does ---
         old_in_pass_1 = args.num_minibatches == 1 and ref_policy is None
         # ---
         with timed(times, "logprobs"):
-            if old_in_pass_1:
+            if args.anchor == "behaviour":  # pi_old is the behaviour policy: the log-probs its sampler drew with
+                b_old_logprobs = b_rollout.sampler_logprobs
+            elif old_in_pass_1:
                 b_old_logprobs = torch.zeros_like(b_response_mask)  # (B, T), filled in by pass 1
             else:
                 b_old_logprobs = rollout_logprobs(
@@ -745,7 +764,7 @@ def main(args: Args) -> None:
                         logprobs, entropy = get_logprobs(
                             model, b_ids[idx], b_attention_mask[idx], b_rollout.prompt_length, args.temperature
                         )
-                        if old_in_pass_1 and epoch == 0:  # the weights before this rollout's first step: pi_old
+                        if old_in_pass_1 and epoch == 0 and args.anchor == "recompute":  # the weights before the update
                             b_old_logprobs[idx] = logprobs.detach()
                         # The rollout correction: each token's loss weighted by pi_old / pi_sampler (None: off)
                         weights = rollout_weights(
@@ -801,6 +820,7 @@ def main(args: Args) -> None:
 
         # 7. log, evaluate, checkpoint
         metrics.update(update_metrics)
+        metrics["policy/off_policy_steps"] = sampler_weights.steps_behind  # how old the sampler's weights were
         logger.log(step, {**metrics, **step_metrics(rewards, components, rollout, times, step_start)})
         if args.save_every and (step + 1) % args.save_every == 0:
             save_checkpoint(

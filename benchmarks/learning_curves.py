@@ -8,6 +8,8 @@ guess and stress tasks the lab's rollout metrics (docs/lab.md).
     python -m benchmarks.learning_curves --task stress          # the chain, 16 optimizer steps per rollout
     python -m benchmarks.learning_curves --task stress --rates 2e-4 5e-5 1.25e-5 --jobs 2   # each config at 3 rates
     python -m benchmarks.learning_curves --task stress --configs dapo "dapo +keep-all-groups"  # a change, not a flag
+    python -m benchmarks.learning_curves --task chain --configs grpo cispo --off-policy-steps 0 4 --jobs 2 \\
+        --out benchmarks/results/off_policy_chain.csv      # the lab's off-policy grid: K x anchors (docs/lab.md)
     python -m benchmarks.learning_curves --configs grpo "gvpo --reuse-steps 1" --seeds 1 2
     python -m benchmarks.learning_curves --from-csv             # table and plot of --out only, no training
 
@@ -89,8 +91,27 @@ ROLLOUT = {
     "maskfrac": "policy/maskfrac",
     "band_clipfrac": "policy/band_clipfrac",
     "kl_to_anchor": "algo/kl_to_anchor",
+    "off_policy_steps": "policy/off_policy_steps",
+    "sampler_gap": "policy/sampler_logprob_gap",
+    "ratio_ess": "policy/sampler_ratio_ess",
+    "correction_ess": "policy/correction_ess",
+    "correction_truncated": "policy/correction_truncated_frac",
 }
 COLUMNS = ["config", "seed", "step", "wall_s", "completions", "eval_accuracy", "eval_accuracy_greedy", *ROLLOUT]
+
+
+def staleness(config: str, steps: int, anchor: str) -> str:
+    """The config with rollouts sampled `steps` behind and `anchor`'s flags; at 0 steps the config as it is (in fp32
+    pi_old, the sampler and the correction's weights agree to ~1e-6: the anchors are one run)."""
+    if steps == 0:
+        return config
+    flags = {"recompute": "--rollout-correction none", "behaviour": "--anchor behaviour"}
+    return f"{config} --off-policy-steps {steps} {flags.get(anchor, f'--rollout-correction {anchor}')}"
+
+
+def off_policy_grid(configs: tuple[str, ...], steps: tuple[int, ...], anchors: tuple[str, ...]) -> tuple[str, ...]:
+    """Each config at each K under each anchor, K = 0 once."""
+    return tuple(dict.fromkeys(staleness(c, k, a) for c in configs for k in steps for a in anchors))
 
 
 def keep_all_groups(filter_groups):  # dapo.py without dynamic sampling: every group trained, one-outcome ones too
@@ -283,6 +304,18 @@ LAB = {
         "step_s",
     ],
     "guess": ["turns", "truncated_frac", "response_length", "entropy", "step_s"],
+    "off-policy": [
+        "sampler_gap",
+        "ratio_ess",
+        "correction_ess",
+        "correction_truncated",
+        "approx_kl",
+        "clipfrac_low",
+        "clipfrac_high",
+        "maskfrac",
+        "gate_weight",
+        "entropy",
+    ],
     "stress": [
         "entropy",
         "approx_kl",
@@ -393,6 +426,11 @@ class Args:
     """learning rates: each config runs at each, as '<config> --learning-rate R'; left out: the files' own"""
     jobs: int = 1
     """runs at a time, each on cores/jobs threads"""
+    off_policy_steps: tuple[int, ...] = ()
+    """K: each config runs with rollouts sampled K steps behind, under each of --anchors (K = 0: once, as it is)"""
+    anchors: tuple[Literal["recompute", "tis", "geo-mis", "behaviour"], ...] = ("recompute", "tis", "behaviour")
+    """with --off-policy-steps: recompute (pi_old at the update's start, no correction), tis or geo-mis (the same,
+    weighted by pi_old / pi_sampler: decoupled), behaviour (pi_old the sampler's)"""
 
 
 def main(args: Args) -> None:
@@ -400,6 +438,7 @@ def main(args: Args) -> None:
     args.steps, args.target = args.steps or steps, args.target or target
     args.configs = args.configs or tuple(CONFIGS + LAB_CONFIGS.get(args.task, []))
     args.configs = tuple(f"{c} --learning-rate {r}" for r in args.rates for c in args.configs) or args.configs
+    args.configs = off_policy_grid(args.configs, args.off_policy_steps, args.anchors) or args.configs
     args.out = args.out or ROOT / "benchmarks" / "results" / (
         "learning_curves.csv" if args.task == "add" else f"learning_curves_{args.task}.csv"
     )
@@ -434,16 +473,16 @@ def main(args: Args) -> None:
         raise SystemExit(f"--from-csv: {args.out} does not exist; run without --from-csv first")
     rows = [r for r in read_csv(args.out) if r["config"] in args.configs and r["seed"] in args.seeds]
     print(format_table(summarize(rows, args.target), args.target))
-    panels = PANELS
-    if args.task in LAB:
+    panels, lab = PANELS, "off-policy" if args.off_policy_steps else args.task
+    if lab in LAB:
         window = max(1, min(10, args.steps // 3))  # 10 steps on the chain task, 4 on guess
         print(
             f"\nEach rollout metric over the first and the last {window} steps (mean over seeds [min, max]):\n"
-            f"{lab_table(rows, LAB[args.task], window)}"
+            f"{lab_table(rows, LAB[lab], window)}"
         )
         panels = PANELS + [
             ("step", key, key.replace("_", " "))
-            for key in LAB[args.task]  # those some run logs
+            for key in LAB[lab]  # those some run logs
             if any(row.get(key) is not None for row in rows)
         ]
     png, seeds = args.out.with_suffix(".png"), " ".join(map(str, args.seeds))

@@ -57,6 +57,21 @@ AT_START_UP = [
     ("`--keep-checkpoints -1`", ["--keep-checkpoints", "-1"], "--keep-checkpoints -1: must be >= 0"),
     ("`--dist-timeout 0`", ["--dist-timeout", "0"], "--dist-timeout 0.0: must be > 0 (minutes)"),
     ("`--correction-cap 0.5`", ["--correction-cap", "0.5"], "--correction-cap 0.5: must be >= 1"),
+    (
+        "a negative `--off-policy-steps`",
+        ["--off-policy-steps", "-1"],
+        "--off-policy-steps -1: must be >= 0 (0: each rollout sampled by the policy as it is)",
+    ),
+    (
+        "`--anchor behaviour` with a rollout correction",
+        ["--anchor", "behaviour", "--rollout-correction", "tis"],
+        "--rollout-correction tis weighs each token by pi_old / pi_sampler, which is 1 with --anchor behaviour",
+    ),
+    (
+        "`--anchor behaviour` with demonstrations (gvpo.py)",
+        ["gvpo.py", "--anchor", "behaviour", "--demos-per-group", "2"],
+        "--demos-per-group 2: must be 0 with --anchor behaviour (a demonstration has no sampler log-probs",
+    ),
     ("`--vllm-gpu-memory 1.5`", ["--vllm-gpu-memory", "1.5"], "--vllm-gpu-memory 1.5: must be in (0, 1]"),
     ("`--lora-rank -1`", ["--lora-rank", "-1"], "--lora-rank -1: must be >= 0 (0: full fine-tuning)"),
     ("`--lora-alpha 0`", ["--lora-rank", "8", "--lora-alpha", "0"], "--lora-alpha 0.0: must be > 0"),

@@ -341,3 +341,19 @@ def test_lockstep_against_trl_runs_when_trl_is_installed():
 def test_lockstep_stops_on_a_bad_against(tmp_path):
     result = run(["-m", "benchmarks.lockstep", "--against", str(tmp_path)], cwd=ROOT)
     assert result.returncode != 0 and "neither 'trl' nor a folder with grpo.py" in result.stderr
+
+
+def test_the_off_policy_grid_runs_each_config_at_each_staleness_under_each_anchor():
+    from benchmarks.learning_curves import off_policy_grid
+
+    assert off_policy_grid(("grpo", "gvpo --beta 0.2"), (0, 4), ("recompute", "tis", "behaviour")) == (
+        "grpo",  # K = 0: the anchors agree in fp32, one run
+        "grpo --off-policy-steps 4 --rollout-correction none",
+        "grpo --off-policy-steps 4 --rollout-correction tis",
+        "grpo --off-policy-steps 4 --anchor behaviour",
+        "gvpo --beta 0.2",
+        "gvpo --beta 0.2 --off-policy-steps 4 --rollout-correction none",
+        "gvpo --beta 0.2 --off-policy-steps 4 --rollout-correction tis",
+        "gvpo --beta 0.2 --off-policy-steps 4 --anchor behaviour",
+    )
+    assert off_policy_grid(("grpo",), (), ("tis",)) == ()  # no --off-policy-steps: the configs as given

@@ -267,6 +267,26 @@ def test_two_rank_run_resumed_from_a_checkpoint_matches(tmp_path, algo, mode):
         }
 
 
+def test_an_off_policy_run_resumed_from_a_checkpoint_matches(tmp_path):
+    """--off-policy-steps 2: a checkpoint carries the weights the next two steps sample with (step_4's: those after
+    steps 3 and 4), so a copy of a finished run, cut back to step_4 and resumed, samples step 4 with the weights after
+    step 2 as the run did, and ends where it ended, bitwise."""
+    import shutil
+
+    args = [*args_for("grpo", tmp_path, "whole"), "--off-policy-steps", "2"]
+    main_in_process(args)
+    shutil.copytree(tmp_path / "whole", tmp_path / "cut")
+    for name in ["final", "step_6", "step_8"]:
+        shutil.rmtree(tmp_path / "cut" / name)
+    main_in_process([*args, "--run-name", "cut", "--resume", "latest"])
+    whole, resumed = (
+        load_file(tmp_path / "whole" / "final" / "model.safetensors"),
+        load_file(tmp_path / "cut" / "final" / "model.safetensors"),
+    )
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    assert without_timings(read_metrics(tmp_path / "cut")) == without_timings(read_metrics(tmp_path / "whole"))
+
+
 def free_port() -> int:
     import socket
 

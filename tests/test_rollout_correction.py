@@ -170,6 +170,18 @@ def test_metrics_of_the_correction():
     assert tis["policy/correction_truncated_seq_frac"] == 1  # the one completion has a truncated token
 
 
+def test_the_effective_sample_size_of_the_weights():
+    """ESS = (sum w)^2 / (n sum w^2) over the response tokens, a share in (0, 1]: the example's ratios pi_old /
+    pi_sampler are 0.25, 1.5 and 3 (22.5625 / (3 * 11.3125) = 0.6648), truncated at C = 2 0.25, 1.5 and 2 (14.0625 /
+    (3 * 6.3125) = 0.7426), masked 0, 1 and 0 (1 / 3); equal weights give 1."""
+    old, sampler, mask = example()
+    tis = sampler_logprob_gap(sampler, old, mask, "tis", 2.0)
+    assert tis["policy/sampler_ratio_ess"] == pytest.approx(4.75**2 / (3 * (0.25**2 + 1.5**2 + 3.0**2)))
+    assert tis["policy/correction_ess"] == pytest.approx(3.75**2 / (3 * (0.25**2 + 1.5**2 + 2.0**2)))
+    assert sampler_logprob_gap(sampler, old, mask, "mis", 2.0)["policy/correction_ess"] == pytest.approx(1 / 3)
+    assert sampler_logprob_gap(sampler + 0.7 * mask, sampler, mask)["policy/sampler_ratio_ess"] == pytest.approx(1)
+
+
 def test_metrics_of_the_sequence_modes_count_completions():
     """Two completions with w = 1.5 on each token, of 4 and 2 tokens: products 5.06 and 2.25. seq-mis at C = 3
     leaves the first out (4 of 6 tokens, 1 of 2 completions); seq-tis at C = 3 truncates it to 3."""

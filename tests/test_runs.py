@@ -278,6 +278,20 @@ def test_two_ranks_and_micro_batches_give_the_same_update(tmp_path, mixed_datase
     assert cuts == {(3, 4)}
 
 
+def test_off_policy_steps_on_two_ranks_give_the_same_updates(tmp_path, mixed_dataset):
+    """--off-policy-steps 2 over 3 steps (step 2 sampled by the initial weights, trained from those after 2 steps): 1
+    process, 2 DDP ranks and 2 FSDP ranks (each keeping and swapping in its own shards, the gathered ones dropped) end
+    with the same weights, to the 1e-5 of one step; and not those of K = 0, so the runs do sample behind."""
+    behind = ["--num-steps", "3", "--off-policy-steps", "2"]
+    base, _ = one_step(tmp_path, "grpo", "one", mixed_dataset, ["--micro-batch-size", "32", *behind])
+    on_policy, _ = one_step(tmp_path, "grpo", "k0", mixed_dataset, ["--micro-batch-size", "32", "--num-steps", "3"])
+    assert max_relative_difference(base, on_policy) > 1e-4
+    ranks = ["--micro-batch-size", "16", "--dist-timeout", "2", *behind]
+    for name, extra in [("ddp", ranks), ("fsdp", [*ranks, "--fsdp"])]:
+        new, _ = one_step(tmp_path, "grpo", name, mixed_dataset, extra, torchrun=2)
+        assert max_relative_difference(base, new) <= 1e-5, name
+
+
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_gradient_checkpointing_gives_the_same_update(tmp_path, mixed_dataset, algo):
     """Recomputing activations in the backward pass changes memory, not the step (ppo.py: the critic's too).

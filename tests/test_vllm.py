@@ -112,6 +112,19 @@ def test_one_push_for_each_change_of_the_weights(vllm_python, tmp_path):
         assert m["policy/sampler_logprob_gap_max"] <= GAP, m  # never a stale engine
 
 
+def test_an_engine_k_steps_behind_samples_with_the_weights_after_step_t_minus_k(vllm_python, tmp_path):
+    """--off-policy-steps 2 with --vllm: the engine gets the weights of 2 steps before for each rollout (and the
+    current ones back for an evaluation): step t's rollout has the log-probs of the weights after step t - 2 to the
+    engine's float rounding, not those of the policy at step t (tests/test_off_policy.py's check)."""
+    from safetensors.torch import load_file
+    from test_off_policy import RUN, check_sampled_k_steps_behind
+
+    flags = ["--vllm", *RUN, "--eval-every", "2", "--eval-size", "16", "--output-dir", str(tmp_path), "--run-name", "r"]
+    assert check(vllm_python, "rollouts", tmp_path, "grpo", *flags) == {"rollouts": 5}
+    rollouts = [load_file(tmp_path / "rollouts" / f"rollout_{i}.safetensors") for i in range(5)]
+    check_sampled_k_steps_behind(tmp_path / "r", rollouts, GAP)
+
+
 def test_the_kv_cache_can_be_released_after_a_call(vllm_python, tmp_path):
     """On a GPU the engine frees its KV cache between calls (sleep level 0, then release_kv_cache_memory).
     In this in-process engine the requests of the last call stay in the scheduler until its next step, and

@@ -11,7 +11,9 @@ release:      what release_kv_cache_memory answers after a call, at sleep level 
               `VllmEngine.sleep` (an empty step first). A CPU has no sleep mode: where the engine core
               accepts the release, the CPU worker refuses the discard itself, and the answer says which refused.
 pushes:       a file's run (its name, then `main`'s flags), recording in order each optimizer step, each
-              sampling call of the engine and each push of the weights into it."""
+              sampling call of the engine and each push of the weights into it.
+rollouts:     a file's run (its name, then `main`'s flags), each training rollout's tensors saved, in order, to
+              OUT_JSON's name without .json: rollout_<i>.safetensors."""
 
 import importlib
 import json
@@ -147,6 +149,30 @@ def pushes(algo: str, flags: list[str]) -> dict:
     return {"events": events}
 
 
+def rollouts(algo: str, flags: list[str], folder: Path) -> dict:
+    from safetensors.torch import save_file
+
+    from harness import cli
+
+    module = importlib.import_module(algo)
+    real_generate, count = module.generate, []
+
+    def recording(model, tokenizer, prompts, group_size, *args, **kwargs):
+        rollout = real_generate(model, tokenizer, prompts, group_size, *args, **kwargs)
+        if group_size > 1:  # training's (an evaluation samples one completion a prompt)
+            fields = ["input_ids", "attention_mask", "response_mask", "sampler_logprobs"]
+            tensors = {name: getattr(rollout, name).contiguous() for name in fields}
+            tensors["prompt_length"] = torch.tensor(rollout.prompt_length)
+            save_file(tensors, folder / f"rollout_{len(count)}.safetensors")
+            count.append(1)
+        return rollout
+
+    folder.mkdir(parents=True, exist_ok=True)
+    module.generate = recording
+    module.main(cli(module.Args, args=flags))
+    return {"rollouts": len(count)}
+
+
 def stop() -> dict:
     """Greedy responses of 12 prompts from the engine, without and with the stop string '1'."""
     tokenizer = load_tokenizer(DEFAULT_MODEL)
@@ -167,5 +193,6 @@ if __name__ == "__main__":
         "release": release,
         "stop": stop,
         "pushes": lambda: pushes(rest[0], rest[1:]),
+        "rollouts": lambda: rollouts(rest[0], rest[1:], Path(out_file).with_suffix("")),
     }[check]()
     Path(out_file).write_text(json.dumps(result))
