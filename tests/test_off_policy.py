@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import common
 import grpo
@@ -71,9 +72,20 @@ def check_sampled_k_steps_behind(run_dir: Path, rollouts: list[dict], tolerance:
 
 
 def test_the_rollout_of_step_t_is_sampled_by_the_weights_after_step_t_minus_k(tmp_path, monkeypatch):
-    rollouts = training_rollouts(grpo, monkeypatch)
-    grpo.main(cli(grpo.Args, args=[*RUN, "--output-dir", str(tmp_path), "--run-name", "r"]))
+    """And each evaluation (before steps 0, 2 and 4, and after the last) uses the policy as it is then."""
+    rollouts, evaluated, real_evaluate = training_rollouts(grpo, monkeypatch), [], grpo.evaluate
+
+    def evaluate(model, *args, **kwargs):
+        evaluated.append(model.get_input_embeddings().weight.detach().clone())
+        return real_evaluate(model, *args, **kwargs)
+
+    monkeypatch.setattr(grpo, "evaluate", evaluate)
+    flags = [*RUN, "--eval-every", "2", "--eval-size", "8", "--output-dir", str(tmp_path), "--run-name", "r"]
+    grpo.main(cli(grpo.Args, args=flags))
     check_sampled_k_steps_behind(tmp_path / "r", [vars(r) for r in rollouts], TOLERANCE)
+    for step, weights in zip([0, 2, 4, 5], evaluated, strict=True):  # the weights after `step` steps
+        folder = tmp_path / "r" / f"step_{step}" if step else Path(DEFAULT_MODEL)
+        assert torch.equal(weights, load_file(folder / "model.safetensors")["model.embed_tokens.weight"]), step
 
 
 def test_k_0_keeps_nothing_and_leaves_the_weights_alone(monkeypatch):
