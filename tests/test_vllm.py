@@ -113,9 +113,9 @@ def test_one_push_for_each_change_of_the_weights(vllm_python, tmp_path):
 
 
 def test_an_engine_k_steps_behind_samples_with_the_weights_after_step_t_minus_k(vllm_python, tmp_path):
-    """--off-policy-steps 2 with --vllm: the engine gets the weights of 2 steps before for each rollout (and the
-    current ones back for an evaluation): step t's rollout has the log-probs of the weights after step t - 2 to the
-    engine's float rounding, not those of the policy at step t (tests/test_off_policy.py's check)."""
+    """--off-policy-steps 2 with --vllm: the engine gets the weights of 2 steps before for each rollout, also after an
+    evaluation (at steps 0, 2 and 4) has pushed the current ones: step t's rollout has the log-probs of the weights
+    after step t - 2 to the engine's float rounding, not those of the policy at step t (test_off_policy.py's check)."""
     from safetensors.torch import load_file
     from test_off_policy import RUN, check_sampled_k_steps_behind
 
