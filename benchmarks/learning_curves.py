@@ -96,6 +96,7 @@ ROLLOUT = {
     "ratio_ess": "policy/sampler_ratio_ess",
     "correction_ess": "policy/correction_ess",
     "correction_truncated": "policy/correction_truncated_frac",
+    "correction_masked": "policy/correction_masked_frac",
 }
 COLUMNS = ["config", "seed", "step", "wall_s", "completions", "eval_accuracy", "eval_accuracy_greedy", *ROLLOUT]
 
@@ -309,6 +310,7 @@ LAB = {
         "ratio_ess",
         "correction_ess",
         "correction_truncated",
+        "correction_masked",
         "approx_kl",
         "clipfrac_low",
         "clipfrac_high",
