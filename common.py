@@ -220,7 +220,6 @@ class SamplerWeights:
         self.model, self.steps, self.vllm = model, steps, vllm
         self.trained = [p for p in model.parameters() if p.requires_grad]
         self.versions = state.setdefault("sampler_weights", []) if steps else []  # oldest first
-        self.versions[:] = [[t.cpu() for t in version] for version in self.versions]  # a resume puts them on the GPU
         self.step, self.due, self.steps_behind = None, None, 0
 
     @staticmethod

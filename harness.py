@@ -1295,14 +1295,13 @@ def load_checkpoint(path: Path | None, modules: dict[str, torch.nn.Module], opti
         dcp_state.set_model_state_dict(model, state["model"], options=options)
         groups = dcp_state.get_optimizer_state_dict(model, optimizer)["param_groups"]  # the flags' learning rate, ...
         dcp_state.set_optimizer_state_dict(model, optimizer, {"state": state["optimizer"], "param_groups": groups})
-        with safe_open(path / f"rank_{rank}.safetensors", "pt") as opened:  # the RNG states stay on the CPU
-            own = _unflatten(
-                json.loads(opened.metadata()["state"]),
-                {
-                    key: opened.get_tensor(key).to(device if key.startswith("own.extra.") else "cpu")
-                    for key in opened.keys()
-                },
-            )
+        with safe_open(path / f"rank_{rank}.safetensors", "pt") as opened:
+            # The algorithm's state to the device. The RNG states stay on the CPU, and so do the sampler's versions of
+            # the trained weights (--off-policy-steps K): K copies at once would not fit on the GPU beside the model
+            on_device = [key for key in opened.keys() if key.startswith("own.extra.")]
+            on_device = set(on_device) - {key for key in on_device if key.startswith("own.extra.sampler_weights.")}
+            tensors = {key: opened.get_tensor(key).to(device if key in on_device else "cpu") for key in opened.keys()}
+            own = _unflatten(json.loads(opened.metadata()["state"]), tensors)
     except (Exception, dcp.CheckpointException) as error:  # a shape that does not fit, a damaged file, ...
         if isinstance(error, dcp.CheckpointException) and error.failures:  # DCP gathers each rank's failure
             error = next(iter(error.failures.values()))[0]

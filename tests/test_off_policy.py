@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 import common
 import grpo
+import harness
 from common import Rollout, SamplerWeights, get_logprobs
 from conftest import read_metrics
 from harness import DEFAULT_MODEL, cli, load_model, load_tokenizer
@@ -71,21 +72,47 @@ def check_sampled_k_steps_behind(run_dir: Path, rollouts: list[dict], tolerance:
     assert [m["policy/off_policy_steps"] for m in steps] == [0, 1, 2, 2, 2]
 
 
-def test_the_rollout_of_step_t_is_sampled_by_the_weights_after_step_t_minus_k(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def behind_run(tmp_path_factory):
+    """RUN, evaluating before steps 0, 2 and 4 and after the last: (its folder, its training rollouts, the weights each
+    evaluation saw)."""
+    tmp_path, evaluated = tmp_path_factory.mktemp("behind"), []
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        rollouts, real_evaluate = training_rollouts(grpo, monkeypatch), grpo.evaluate
+
+        def evaluate(model, *args, **kwargs):
+            evaluated.append(model.get_input_embeddings().weight.detach().clone())
+            return real_evaluate(model, *args, **kwargs)
+
+        monkeypatch.setattr(grpo, "evaluate", evaluate)
+        flags = [*RUN, "--eval-every", "2", "--eval-size", "8", "--output-dir", str(tmp_path), "--run-name", "r"]
+        grpo.main(cli(grpo.Args, args=flags))
+    return tmp_path / "r", rollouts, evaluated
+
+
+def test_the_rollout_of_step_t_is_sampled_by_the_weights_after_step_t_minus_k(behind_run):
     """And each evaluation (before steps 0, 2 and 4, and after the last) uses the policy as it is then."""
-    rollouts, evaluated, real_evaluate = training_rollouts(grpo, monkeypatch), [], grpo.evaluate
-
-    def evaluate(model, *args, **kwargs):
-        evaluated.append(model.get_input_embeddings().weight.detach().clone())
-        return real_evaluate(model, *args, **kwargs)
-
-    monkeypatch.setattr(grpo, "evaluate", evaluate)
-    flags = [*RUN, "--eval-every", "2", "--eval-size", "8", "--output-dir", str(tmp_path), "--run-name", "r"]
-    grpo.main(cli(grpo.Args, args=flags))
-    check_sampled_k_steps_behind(tmp_path / "r", [vars(r) for r in rollouts], TOLERANCE)
+    run_dir, rollouts, evaluated = behind_run
+    check_sampled_k_steps_behind(run_dir, [vars(r) for r in rollouts], TOLERANCE)
     for step, weights in zip([0, 2, 4, 5], evaluated, strict=True):  # the weights after `step` steps
-        folder = tmp_path / "r" / f"step_{step}" if step else Path(DEFAULT_MODEL)
+        folder = run_dir / f"step_{step}" if step else Path(DEFAULT_MODEL)
         assert torch.equal(weights, load_file(folder / "model.safetensors")["model.embed_tokens.weight"]), step
+
+
+def test_a_resume_keeps_the_versions_on_the_host(behind_run, monkeypatch):
+    """A checkpoint's K versions come back to the host, not to the GPU the algorithm's other state goes to: K copies
+    of the trained weights there at once would not fit beside the model (here the GPU is the meta device)."""
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    policy = load_model(DEFAULT_MODEL, "float32", torch.device("cpu"), tokenizer)
+    optimizer = torch.optim.AdamW(policy.parameters())
+    monkeypatch.setattr(harness, "current_device", lambda: torch.device("meta"))
+    step, state = harness.load_checkpoint(behind_run[0] / "step_3", {"policy": policy}, optimizer, 0)
+    assert step == 3 and len(state["sampler_weights"]) == K
+    assert {t.device.type for version in state["sampler_weights"] for t in version} == {"cpu"}
+    names = [name for name, p in policy.named_parameters() if p.requires_grad]
+    for version, after in zip(state["sampler_weights"], [1, 2], strict=True):  # steps 3 and 4 sample with these
+        saved = load_file(behind_run[0] / f"step_{after}" / "model.safetensors")
+        assert all(torch.equal(t, saved[name]) for name, t in zip(names, version, strict=True)), after
 
 
 def test_k_0_keeps_nothing_and_leaves_the_weights_alone(monkeypatch):

@@ -269,7 +269,7 @@ def test_two_rank_run_resumed_from_a_checkpoint_matches(tmp_path, algo, mode):
 
 def test_an_off_policy_run_resumed_from_a_checkpoint_matches(tmp_path):
     """--off-policy-steps 2: a checkpoint carries the weights the next two steps sample with (step_4's: those after
-    steps 3 and 4), so a copy of a finished run, cut back to step_4 and resumed, samples step 4 with the weights after
+    steps 2 and 3), so a copy of a finished run, cut back to step_4 and resumed, samples step 4 with the weights after
     step 2 as the run did, and ends where it ended, bitwise."""
     import shutil
 
