@@ -651,16 +651,16 @@ def main(args: Args) -> None:
 
         # 5. old log-probs by the training model (the ratio starts at 1; with one step per pass, pass 1 gives them), or
         # the sampler's (--anchor behaviour)
-        # --- algorithm: the KL reward needs the old log-probs before the update; nothing else does ---
-        old_in_pass_1 = args.num_minibatches == 1 and ref_policy is None
+        # --- algorithm: the KL reward needs the old log-probs before the update (under --anchor behaviour the
+        # sampler's, there already); nothing else does ---
+        old_in_pass_1 = args.num_minibatches == 1 and (ref_policy is None or args.anchor == "behaviour")
         # ---
         with timed(times, "logprobs"):
-            if args.anchor == "behaviour":  # pi_old is the behaviour policy: the log-probs its sampler drew with
-                b_old_logprobs = b_rollout.sampler_logprobs
-            elif old_in_pass_1:
-                b_old_logprobs = torch.zeros_like(b_response_mask)  # (B, T), filled in by pass 1
-            else:
-                b_old_logprobs = rollout_logprobs(
+            # pi_prox, the policy at the update's start: pi_old (--anchor recompute), or the staleness's measure
+            if old_in_pass_1:
+                b_proximal_logprobs = torch.zeros_like(b_response_mask)  # (B, T), filled in by pass 1
+            elif args.anchor == "recompute":
+                b_proximal_logprobs = rollout_logprobs(
                     model,
                     b_rollout,
                     args.temperature,
@@ -668,6 +668,10 @@ def main(args: Args) -> None:
                     max_tokens=args.max_tokens_per_micro_batch,
                     group_size=args.group_size,
                 )
+            else:  # behaviour: no pass is run for them
+                b_proximal_logprobs = None
+            # pi_old: the proximal policy, or the behaviour policy (the log-probs its sampler drew with)
+            b_old_logprobs = b_rollout.sampler_logprobs if args.anchor == "behaviour" else b_proximal_logprobs
             # --- algorithm: the reference model's log-probs, for the KL penalty, and the critic's old values ---
             b_ref_logprobs = None
             if ref_policy is not None:
@@ -764,8 +768,8 @@ def main(args: Args) -> None:
                         logprobs, entropy = get_logprobs(
                             model, b_ids[idx], b_attention_mask[idx], b_rollout.prompt_length, args.temperature
                         )
-                        if old_in_pass_1 and epoch == 0 and args.anchor == "recompute":  # the weights before the update
-                            b_old_logprobs[idx] = logprobs.detach()
+                        if old_in_pass_1 and epoch == 0:  # the weights before the update
+                            b_proximal_logprobs[idx] = logprobs.detach()
                         # The rollout correction: each token's loss weighted by pi_old / pi_sampler (None: off)
                         weights = rollout_weights(
                             b_old_logprobs[idx],
@@ -806,16 +810,18 @@ def main(args: Args) -> None:
         times["update"] = time.perf_counter() - update_start
 
         # --- algorithm: the sampler guard, on the completions this policy sampled ---
-        # Were they drawn from the distribution the loss assumes? (the gap is ~1e-6 in fp32)
-        metrics.update(
-            sampler_logprob_gap(
-                b_rollout.sampler_logprobs,
-                b_old_logprobs,
-                b_rollout.response_mask,
-                args.rollout_correction,
-                args.correction_cap,
+        # Were they drawn from the distribution the loss assumes? (the gap is ~1e-6 in fp32; K steps behind: the
+        # staleness, pi_prox against the sampler, under either anchor)
+        if b_proximal_logprobs is not None:  # (None: --anchor behaviour, --num-minibatches > 1)
+            metrics.update(
+                sampler_logprob_gap(
+                    b_rollout.sampler_logprobs,
+                    b_proximal_logprobs,
+                    b_rollout.response_mask,
+                    args.rollout_correction,
+                    args.correction_cap,
+                )
             )
-        )
         # ---
 
         # 7. log, evaluate, checkpoint

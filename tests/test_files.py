@@ -90,14 +90,15 @@ def test_the_shared_code_stays_within_its_sizes():
     for its data flow), at most 1,000 whatever is added: a new feature's set-up goes to harness.py (flags, data files,
     models, the run folder, checkpoints, the logger: no ceiling), multi-turn to episodes.py, the vLLM engine to
     vllm_engine.py. benchmarks/ at most 1,500 (their run flags built by `benchmarks.as_flags`; 1,457 before the lab's
-    off-policy grid). grpo.py's main, the loop a reader reads top to bottom, at most 226 lines with its def line (131
-    before formatting, where a call with many arguments was one line; 221 before --off-policy-steps and --anchor)."""
+    off-policy grid). grpo.py's main, the loop a reader reads top to bottom, at most 231 lines with its def line (131
+    before formatting, where a call with many arguments was one line; 221 before --off-policy-steps and --anchor, 226
+    before the staleness measured under --anchor behaviour)."""
     assert len(read("common.py")) <= 1000
     assert sum(len(path.read_text().splitlines()) for path in (ROOT / "benchmarks").glob("*.py")) <= 1500
     base = read("grpo.py")
     start = base.index("def main(args: Args) -> None:\n")
     end = next(i for i in range(start + 1, len(base)) if base[i].strip() and not base[i].startswith((" ", "\n")))
-    assert len("".join(base[start:end]).rstrip("\n").splitlines()) <= 226
+    assert len("".join(base[start:end]).rstrip("\n").splitlines()) <= 231
 
 
 PROJECT_MODULES = ("common", "harness", "episodes", "vllm_engine")

@@ -4,6 +4,7 @@ t-K (the initial weights for t <= K), as an asynchronous trainer's sampler lags 
 nothing and changes nothing. (The vLLM engine's version of the first check is in test_vllm.py; a resume in
 test_resume.py; 2 ranks in test_runs.py.)"""
 
+import importlib
 from pathlib import Path
 
 import pytest
@@ -74,8 +75,9 @@ def check_sampled_k_steps_behind(run_dir: Path, rollouts: list[dict], tolerance:
 
 @pytest.fixture(scope="module")
 def behind_run(tmp_path_factory):
-    """RUN, evaluating before steps 0, 2 and 4 and after the last: (its folder, its training rollouts, the weights each
-    evaluation saw)."""
+    """RUN, evaluating before steps 0, 2 and 4 and after the last, under --anchor behaviour (which weights sample does
+    not depend on the anchor; behaviour's staleness metrics do need checking): (its folder, its training rollouts,
+    the weights each evaluation saw)."""
     tmp_path, evaluated = tmp_path_factory.mktemp("behind"), []
     with pytest.MonkeyPatch.context() as monkeypatch:
         rollouts, real_evaluate = training_rollouts(grpo, monkeypatch), grpo.evaluate
@@ -85,8 +87,8 @@ def behind_run(tmp_path_factory):
             return real_evaluate(model, *args, **kwargs)
 
         monkeypatch.setattr(grpo, "evaluate", evaluate)
-        flags = [*RUN, "--eval-every", "2", "--eval-size", "8", "--output-dir", str(tmp_path), "--run-name", "r"]
-        grpo.main(cli(grpo.Args, args=flags))
+        flags = [*RUN, "--eval-every", "2", "--eval-size", "8", "--anchor", "behaviour", "--beta", "0"]
+        grpo.main(cli(grpo.Args, args=[*flags, "--output-dir", str(tmp_path), "--run-name", "r"]))
     return tmp_path / "r", rollouts, evaluated
 
 
@@ -97,6 +99,34 @@ def test_the_rollout_of_step_t_is_sampled_by_the_weights_after_step_t_minus_k(be
     for step, weights in zip([0, 2, 4, 5], evaluated, strict=True):  # the weights after `step` steps
         folder = run_dir / f"step_{step}" if step else Path(DEFAULT_MODEL)
         assert torch.equal(weights, load_file(folder / "model.safetensors")["model.embed_tokens.weight"]), step
+
+
+def test_under_behaviour_the_gap_measures_the_staleness(behind_run):
+    """With --anchor behaviour pi_old is the sampler's, so a gap against pi_old would be 0 however stale the rollout:
+    the gap logged is the policy's at the update's start (pass 1's log-probs) against the sampler's, the largest
+    as a forward of step_<t>'s weights gives it (test_behaviour_runs_no_old_log_prob_pass_and_its_ratio_is_over_the_
+    sampler: none logged where no pass gives those log-probs)."""
+    run_dir, rollouts, _ = behind_run
+    steps = [m for m in read_metrics(run_dir) if "policy/sampler_logprob_gap_max" in m]
+    assert [m["step"] for m in steps] == [0, 1, 2, 3, 4]
+    for t, (m, rollout) in enumerate(zip(steps, rollouts, strict=True)):
+        weights = run_dir / f"step_{t}" if t else DEFAULT_MODEL  # the policy at step t's start
+        assert m["policy/sampler_logprob_gap_max"] == pytest.approx(largest_gap(weights, vars(rollout)), abs=1e-5), t
+        assert (m["policy/sampler_logprob_gap_max"] > 100 * TOLERANCE) == (t > 0), t  # sampled by other weights
+        assert (m["policy/sampler_ratio_ess"] < 1 - 1e-6) == (t > 0), t
+
+
+@pytest.mark.parametrize("algo", ["gvpo", "ppo", "rloo"])
+def test_every_file_measures_the_staleness_under_behaviour(tmp_path, algo):
+    """The files whose lines here are their own (grpo's shared ones, the rest's, are test_files.py's): gvpo logs the
+    gap on its fresh rows; ppo and rloo, whose KL reward needs pi_old before the update, take it from the sampler
+    under behaviour, so pass 1 still gives the policy's log-probs. Step 1, sampled 1 step behind: a gap, an ESS < 1."""
+    module = importlib.import_module(algo)
+    flags = [*RUN, "--num-steps", "2", "--save-every", "0", "--off-policy-steps", "1", "--anchor", "behaviour"]
+    flags += ["--beta", "0.05"] if algo == "rloo" else []  # with a reference model, as ppo.py's default
+    module.main(cli(module.Args, args=[*flags, "--output-dir", str(tmp_path), "--run-name", "r"]))
+    step_1 = next(m for m in read_metrics(tmp_path / "r") if m["step"] == 1)
+    assert step_1["policy/sampler_logprob_gap_max"] > 100 * TOLERANCE and step_1["policy/sampler_ratio_ess"] < 1 - 1e-6
 
 
 def test_a_resume_keeps_the_versions_on_the_host(behind_run, monkeypatch):
@@ -185,5 +215,9 @@ def test_behaviour_runs_no_old_log_prob_pass_and_its_ratio_is_over_the_sampler(t
         rows = [(t, row) for t, old in olds for row in old if t > 0]  # steps 1 and 2, sampled 1 and 2 steps behind
         sampled = [{tuple(row.tolist()) for row in r.sampler_logprobs} for r in rollouts]
         calls[anchor] = (len(passes), sum(tuple(row.tolist()) in sampled[t] for t, row in rows), len(rows))
-    assert calls["behaviour"] == (0, 2 * 2 * 16, 2 * 2 * 16)  # 2 steps x 2 passes x 16 rows, each the sampler's
+        logged = [m for m in read_metrics(tmp_path / anchor) if "step" in m and m["step"] < 3]
+        calls[anchor] += ({"policy/sampler_logprob_gap" in m for m in logged},)
+    # 2 steps x 2 passes x 16 rows, each the sampler's; and no gap logged: no pass gave the policy's log-probs
+    assert calls["behaviour"] == (0, 2 * 2 * 16, 2 * 2 * 16, {False})
     assert calls["recompute"][0] == 3 and calls["recompute"][1] == 0  # a pass a step; no row the sampler's
+    assert calls["recompute"][3] == {True}
