@@ -118,9 +118,10 @@ def test_under_behaviour_the_gap_measures_the_staleness(behind_run):
 
 @pytest.mark.parametrize("algo", ["gvpo", "ppo", "rloo"])
 def test_every_file_measures_the_staleness_under_behaviour(tmp_path, algo):
-    """The files whose lines here are their own (grpo's shared ones, the rest's, are test_files.py's): gvpo logs the
-    gap on its fresh rows; ppo and rloo, whose KL reward needs pi_old before the update, take it from the sampler
-    under behaviour, so pass 1 still gives the policy's log-probs. Step 1, sampled 1 step behind: a gap, an ESS < 1."""
+    """The files whose lines here are their own (the others share grpo.py's, which test_files.py keeps identical):
+    gvpo logs the gap on its fresh rows; ppo and rloo, whose KL reward needs pi_old before the update, take it from
+    the sampler under behaviour, so pass 1 still gives the policy's log-probs. Step 1, sampled 1 step behind: a gap,
+    an ESS < 1."""
     module = importlib.import_module(algo)
     flags = [*RUN, "--num-steps", "2", "--save-every", "0", "--off-policy-steps", "1", "--anchor", "behaviour"]
     flags += ["--beta", "0.05"] if algo == "rloo" else []  # with a reference model, as ppo.py's default
