@@ -1298,9 +1298,10 @@ def load_checkpoint(path: Path | None, modules: dict[str, torch.nn.Module], opti
         with safe_open(path / f"rank_{rank}.safetensors", "pt") as opened:
             # The algorithm's state to the device. The RNG states stay on the CPU, and so do the sampler's versions of
             # the trained weights (--off-policy-steps K): K copies at once would not fit on the GPU beside the model
-            on_device = [key for key in opened.keys() if key.startswith("own.extra.")]
-            on_device = set(on_device) - {key for key in on_device if key.startswith("own.extra.sampler_weights.")}
-            tensors = {key: opened.get_tensor(key).to(device if key in on_device else "cpu") for key in opened.keys()}
+            tensors = {}
+            for key in opened.keys():  # ("sampler_weights": common.SamplerWeights's key in the algorithm's state)
+                on_host = not key.startswith("own.extra.") or key.startswith("own.extra.sampler_weights.")
+                tensors[key] = opened.get_tensor(key).to("cpu" if on_host else device)
             own = _unflatten(json.loads(opened.metadata()["state"]), tensors)
     except (Exception, dcp.CheckpointException) as error:  # a shape that does not fit, a damaged file, ...
         if isinstance(error, dcp.CheckpointException) and error.failures:  # DCP gathers each rank's failure
